@@ -1,0 +1,176 @@
+"""Advantage estimators against plain-numpy references written from ALGORITHMS.md."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtrl_jax.rl import advantages
+
+
+# ------------------------------------------------------------------ independent references
+
+
+def ref_grpo(rewards, G, scale="group"):
+    r = np.asarray(rewards, np.float64)
+    out = np.zeros_like(r)
+    batch_std = np.std(r, ddof=1) if len(r) > 1 else 0.0
+    for p in range(len(r) // G):
+        g = r[p * G:(p + 1) * G]
+        if G == 1:
+            continue
+        mean = sum(g) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (G - 1))
+        for i in range(G):
+            if scale == "group":
+                out[p * G + i] = (g[i] - mean) / (std + 1e-6)
+            elif scale == "batch":
+                out[p * G + i] = (g[i] - mean) / (batch_std + 1e-6)
+            else:
+                out[p * G + i] = g[i] - mean
+    return out
+
+
+def ref_rloo(rewards, G):
+    r = np.asarray(rewards, np.float64)
+    out = np.zeros_like(r)
+    if G == 1:
+        return out
+    for p in range(len(r) // G):
+        for i in range(G):
+            others = [r[p * G + j] for j in range(G) if j != i]
+            out[p * G + i] = r[p * G + i] - sum(others) / len(others)
+    return out
+
+
+def brute_passk(group, k):
+    """Enumerate every k-subset: mean of the subset max over subsets containing i, vs all."""
+    G = len(group)
+    subsets = list(itertools.combinations(range(G), k))
+    maxes = np.array([max(group[j] for j in s) for s in subsets])
+    mu = maxes.mean()
+    sigma = maxes.std()  # population
+    out = []
+    for i in range(G):
+        mine = [max(group[j] for j in s) for s in subsets if i in s]
+        out.append((np.mean(mine) - mu) / (sigma + 1e-6))
+    return np.array(out)
+
+
+# ------------------------------------------------------------------ test vectors
+
+
+def test_vectors_from_algorithms_md():
+    np.testing.assert_allclose(
+        advantages.compute("grpo", jnp.array([1.0, 0, 0, 1]), 4),
+        [0.8660239, -0.8660239, -0.8660239, 0.8660239], atol=1e-6)
+    np.testing.assert_allclose(
+        advantages.compute("rloo", jnp.array([0.2, 0.5, 0.9]), 3), [-0.5, -0.05, 0.55], atol=1e-6)
+    np.testing.assert_allclose(
+        advantages.compute("grpo_passk", jnp.array([1.0, 0, 0, 0]), 4, k=2),
+        [0.999998, -0.3333327, -0.3333327, -0.3333327], atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("G", [1, 2, 5, 8])
+def test_grpo_random(scale, G):
+    r = np.random.default_rng(G).normal(size=4 * G)
+    got = jax.jit(lambda x: advantages.compute("grpo", x, G, scale=scale))(jnp.asarray(r, jnp.float32))
+    np.testing.assert_allclose(got, ref_grpo(r, G, scale), atol=2e-5, rtol=1e-5)
+
+
+def test_dr_grpo_alias():
+    r = jnp.array([0.1, 0.9, 0.3, -1.0, 0.5, 0.5])
+    np.testing.assert_allclose(advantages.compute("dr_grpo", r, 3), ref_grpo(np.asarray(r), 3, "none"), atol=1e-6)
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 7])
+def test_rloo_random(G):
+    r = np.random.default_rng(10 + G).uniform(-1, 1, size=3 * G)
+    np.testing.assert_allclose(advantages.compute("rloo", jnp.asarray(r, jnp.float32), G), ref_rloo(r, G), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,opts", [("grpo", {}), ("grpo", {"scale": "batch"}), ("rloo", {}),
+                                       ("grpo_passk", {"k": 2})])
+def test_all_equal_groups_give_zero(name, opts):
+    r = jnp.array([0.3] * 4 + [-1.0] * 4)
+    np.testing.assert_allclose(advantages.compute(name, r, 4, **opts), 0.0, atol=1e-6)
+
+
+def test_group_of_one_gives_zero():
+    r = jnp.array([0.3, -1.0, 0.7])
+    for name in ["grpo", "rloo", "dr_grpo"]:
+        np.testing.assert_array_equal(advantages.compute(name, r, 1), 0.0)
+
+
+def _passk_groups():
+    rng = np.random.default_rng(0)
+    for G in range(2, 9):
+        ndcg = rng.uniform(0, 1, size=G).round(2)
+        ndcg[rng.uniform(size=G) < 0.3] = -1.0  # failures mixed in
+        yield G, ndcg
+        yield G, rng.integers(0, 3, size=G).astype(float) / 2  # many ties
+        yield G, rng.integers(0, 2, size=G).astype(float)  # binary
+
+
+@pytest.mark.parametrize("G,group", list(_passk_groups()))
+def test_grpo_passk_matches_brute_force(G, group):
+    for k in range(1, G):
+        got = advantages.compute("grpo_passk", jnp.asarray(group, jnp.float32), G, k=k)
+        np.testing.assert_allclose(got, brute_passk(list(group), k), atol=3e-4, rtol=1e-4,
+                                   err_msg=f"G={G} k={k} group={group}")
+
+
+def test_grpo_passk_k1_is_grpo_with_population_std():
+    r = np.random.default_rng(3).uniform(size=6)
+    expected = (r - r.mean()) / (r.std() + 1e-6)
+    np.testing.assert_allclose(advantages.compute("grpo_passk", jnp.asarray(r, jnp.float32), 6, k=1), expected, atol=1e-5)
+
+
+def test_grpo_passk_binary_matches_chen_et_al_closed_form():
+    # Pass@k Training (Chen et al. 2025): with c correct of G, the group pass@k is
+    # 1 - C(G-c, k)/C(G, k); positives get (1 - pass)/std and negatives a smaller magnitude.
+    G, k = 8, 3
+    group = np.array([1, 0, 0, 1, 0, 0, 0, 0], float)
+    c = int(group.sum())
+    pass_k = 1 - math.comb(G - c, k) / math.comb(G, k)
+    std = math.sqrt(pass_k * (1 - pass_k))
+    pos = (1 - pass_k) / (std + 1e-6)
+    neg = (1 - pass_k - math.comb(G - c - 1, k - 1) / math.comb(G - 1, k - 1)) / (std + 1e-6)
+    got = np.asarray(advantages.compute("grpo_passk", jnp.asarray(group, jnp.float32), G, k=k))
+    np.testing.assert_allclose(got[group == 1], pos, atol=1e-5)
+    np.testing.assert_allclose(got[group == 0], neg, atol=1e-5)
+
+
+def test_grpo_passk_rejects_bad_k():
+    with pytest.raises(ValueError, match="k"):
+        advantages.compute("grpo_passk", jnp.zeros(4), 4, k=4)
+
+
+def test_reinforce_pp_baseline_whitens_over_tokens():
+    rng = np.random.default_rng(1)
+    r = rng.uniform(size=6)
+    mask = (rng.uniform(size=(6, 5)) < 0.6).astype(np.float32)
+    mask[2] = 0
+    got = np.asarray(advantages.compute("reinforce_pp_baseline", jnp.asarray(r, jnp.float32), 3, mask=jnp.asarray(mask)))
+    centred = np.concatenate([g - g.mean() for g in r.reshape(2, 3)])
+    tokens = [centred[b] for b in range(6) for t in range(5) if mask[b, t]]
+    expected = (centred - np.mean(tokens)) / (np.std(tokens) + 1e-6)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_bfloat16_rewards():
+    r = jnp.array([1.0, 0, 0, 1], jnp.bfloat16)
+    got = advantages.compute("grpo", r, 4)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, [0.8660239, -0.8660239, -0.8660239, 0.8660239], atol=1e-5)
+
+
+def test_bad_group_size_and_unknown_name():
+    with pytest.raises(ValueError, match="groups of size 3"):
+        advantages.compute("grpo", jnp.zeros(4), 3)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
+        advantages.compute("nope", jnp.zeros(4), 2)
