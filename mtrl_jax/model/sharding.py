@@ -1,0 +1,77 @@
+"""The one table from logical axis names to mesh axes, and the mesh helpers around it.
+
+The mesh always has the axes ``("data", "fsdp", "tensor")``. Parameters are sharded FSDP-style
+over their ``embed`` dimension and Megatron-style over heads / MLP / vocab; activations are
+sharded over the batch on ``data`` x ``fsdp``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis name -> mesh axis (or axes, or None = replicated)
+LOGICAL_AXIS_RULES: tuple[tuple[str, Optional[str | tuple[str, ...]]], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("layers", None),
+    # activations
+    ("act_batch", ("data", "fsdp")),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_length", None),
+)
+
+
+def make_mesh(shape: Sequence[int] = (1, 1, 1), devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A ``("data", "fsdp", "tensor")`` mesh; ``-1`` in one position takes the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = list(shape)
+    if len(shape) != 3:
+        raise ValueError(f"mesh shape must have 3 entries (data, fsdp, tensor), got {shape}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: at most one -1")
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        shape[shape.index(-1)] = len(devices) // known
+    size = int(np.prod(shape))
+    if size > len(devices):
+        raise ValueError(f"mesh shape {tuple(shape)} needs {size} devices, only {len(devices)} available")
+    return Mesh(np.asarray(devices[:size]).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(logical_axes: Sequence[Optional[str]]) -> PartitionSpec:
+    return nn.logical_to_mesh_axes(tuple(logical_axes), LOGICAL_AXIS_RULES)
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+    """NamedShardings for a params tree whose leaves are ``nn.LogicallyPartitioned`` boxes."""
+    specs = nn.get_partition_spec(abstract_params)
+    specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a ``[B, ...]`` activation: batch over ``data`` x ``fsdp``, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def axis_rules():
+    """Context manager activating the table for ``nn.with_logical_constraint`` inside a mesh."""
+    return nn.logical_axis_rules(LOGICAL_AXIS_RULES)

@@ -1,0 +1,270 @@
+"""A Qwen2 / Qwen3 / Llama decoder in Flax Linen, read top to bottom.
+
+Parameters (plain pytree once unboxed; ``L`` layers stacked by ``nn.scan``)::
+
+    embed                       [V, D]           (vocab, embed)
+    layers/input_norm/scale     [L, D]           (layers, norm)
+    layers/attn/q_proj          [L, D, N, H]     (layers, embed, heads, head_dim)
+    layers/attn/k_proj, v_proj  [L, D, K, H]     (layers, embed, kv_heads, head_dim)
+    layers/attn/{q,k,v}_bias    [L, N|K, H]      Qwen2 only
+    layers/attn/{q,k}_norm/scale [L, H]          Qwen3 only
+    layers/attn/o_proj          [L, N, H, D]     (layers, heads, head_dim, embed)
+    layers/post_attn_norm/scale [L, D]
+    layers/mlp/gate_proj, up_proj [L, D, F]      (layers, embed, mlp)
+    layers/mlp/down_proj        [L, F, D]        (layers, mlp, embed)
+    final_norm/scale            [D]
+    lm_head                     [D, V]           untied checkpoints only
+
+The model returns final-normed hidden states ``[B, T, D]``; logits are a separate, explicit
+step (``logits_from_hidden``) so training can compute log-probs in chunks without ever holding
+``[B, T, V]`` float32 logits.
+
+KV cache: right-padded slots ``[L, B, S, K, H]``. A call writes its ``T`` new tokens of row ``b``
+at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and attends to every cache index
+``<= offsets[b] + t``. Positions (RoPE) equal cache indices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtrl_jax.model.config import ModelConfig
+
+Array = jax.Array
+
+
+class KVCache(NamedTuple):
+    k: Array  # [L, B, S, K, H]
+    v: Array  # [L, B, S, K, H]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
+
+
+CACHE_AXES = ("layers", "act_batch", "cache_length", "act_kv_heads", "head_dim")
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies ``[H/2]`` (float64 on the host), with optional Llama-3 scaling."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    if cfg.rope_llama3_scaling is not None:
+        factor, low_ff, high_ff, old_len = cfg.rope_llama3_scaling
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low_ff, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high_ff) & (wavelen <= old_len / low_ff)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+    """Rotate ``x [B, T, heads, H]`` by ``positions [B, T]`` (HF ``rotate_half`` layout)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=None):
+    init = init or nn.initializers.normal(0.02)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, module.config.params_dtype)
+
+
+class RMSNorm(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_norm_eps)
+        dtype = self.config.compute_dtype
+        return normed.astype(dtype) * scale.astype(dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache_kv, write_index):
+        """``x [B, T, D]``; ``mask [B, 1, T, S]``; ``cache_kv`` None or ``(k, v) [B, S, K, H]``;
+        ``write_index [B, T]`` cache index of each new token (out of range = not written)."""
+        cfg = self.config
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dtype = cfg.compute_dtype
+        wq = _param(self, "q_proj", (D, N, H), ("embed", "heads", "head_dim"))
+        wk = _param(self, "k_proj", (D, K, H), ("embed", "kv_heads", "head_dim"))
+        wv = _param(self, "v_proj", (D, K, H), ("embed", "kv_heads", "head_dim"))
+        wo = _param(self, "o_proj", (N, H, D), ("heads", "head_dim", "embed"))
+        q = jnp.einsum("btd,dnh->btnh", x, wq.astype(dtype))
+        k = jnp.einsum("btd,dkh->btkh", x, wk.astype(dtype))
+        v = jnp.einsum("btd,dkh->btkh", x, wv.astype(dtype))
+        if cfg.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + _param(self, "q_bias", (N, H), ("heads", "head_dim"), zeros).astype(dtype)
+            k = k + _param(self, "k_bias", (K, H), ("kv_heads", "head_dim"), zeros).astype(dtype)
+            v = v + _param(self, "v_bias", (K, H), ("kv_heads", "head_dim"), zeros).astype(dtype)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg, name="q_norm")(q)
+            k = RMSNorm(cfg, name="k_norm")(k)
+        inv_freq = rope_inv_freq(cfg)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        q = nn.with_logical_constraint(q, ("act_batch", "act_length", "act_heads", "head_dim"))
+
+        if cache_kv is not None:
+            rows = jnp.arange(k.shape[0])[:, None]
+            cache_k = cache_kv[0].at[rows, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
+            cache_v = cache_kv[1].at[rows, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
+            k, v, cache_kv = cache_k, cache_v, (cache_k, cache_v)
+        out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask, implementation=cfg.attention_impl)
+        out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dtype))
+        return out, cache_kv
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        D, F, dtype = cfg.hidden_size, cfg.intermediate_size, cfg.compute_dtype
+        gate = _param(self, "gate_proj", (D, F), ("embed", "mlp"))
+        up = _param(self, "up_proj", (D, F), ("embed", "mlp"))
+        down = _param(self, "down_proj", (F, D), ("mlp", "embed"))
+        h = nn.silu(x @ gate.astype(dtype)) * (x @ up.astype(dtype))
+        h = nn.with_logical_constraint(h, ("act_batch", "act_length", "act_mlp"))
+        return h @ down.astype(dtype)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cache_kv, positions, mask, write_index):
+        attn_out, cache_kv = Attention(self.config, name="attn")(
+            RMSNorm(self.config, name="input_norm")(x), positions, mask, cache_kv, write_index)
+        x = x + attn_out
+        x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+        return x, cache_kv
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``__call__`` returns ``(hidden [B, T, D], new_cache | None)``."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,
+        attention_mask: Optional[Array] = None,
+        cache: Optional[KVCache] = None,
+        offsets: Optional[Array] = None,
+    ):
+        """Two modes.
+
+        * No cache (training, scoring): ``tokens [B, T]`` right-padded with ``attention_mask [B, T]``
+          (1 = real token); positions are ``0..T-1``.
+        * With ``cache`` and ``offsets [B]`` (sampling): the new ``tokens [B, T]`` of row ``b`` go to
+          cache indices ``offsets[b] + t`` where ``attention_mask[b, t]``; returns the updated cache.
+        """
+        cfg = self.config
+        B, T = tokens.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), bool)
+        attention_mask = attention_mask.astype(bool)
+        embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
+        if not cfg.tie_word_embeddings:
+            _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        x = jnp.take(embed, tokens, axis=0).astype(cfg.compute_dtype)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+
+        steps = jnp.arange(T)
+        if cache is None:
+            positions = jnp.broadcast_to(steps, (B, T))
+            mask = (steps[None, :, None] >= steps[None, None, :]) & attention_mask[:, None, :]  # [B, T, T]
+            write_index = positions
+            layer_cache = None
+        else:
+            positions = offsets[:, None] + steps[None, :]
+            key_index = jnp.arange(cache.max_len)
+            mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            write_index = jnp.where(attention_mask, positions, cache.max_len)  # out of range: dropped
+            layer_cache = (cache.k, cache.v)
+
+        layer = DecoderLayer
+        if cfg.remat:
+            layer = nn.remat(layer, prevent_cse=False)
+        stack = nn.scan(
+            layer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, new_cache = stack(cfg, name="layers")(x, layer_cache, positions, mask[:, None], write_index)
+        x = RMSNorm(cfg, name="final_norm")(x)
+        return x, (None if cache is None else KVCache(*new_cache))
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def head_kernel(cfg: ModelConfig, params) -> Array:
+    """The output projection ``[D, V]`` (the transposed embedding when tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
+    """float32 logits ``[..., V]`` of hidden states ``[..., D]``."""
+    head = head_kernel(cfg, params)
+    return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None):
+    """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``."""
+    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets)
+
+
+def abstract_params(cfg: ModelConfig):
+    """Shapes and logical axes of the parameters, without allocating them (boxed tree)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), tokens))["params"]
+
+
+def init_params(cfg: ModelConfig, rng: Array, mesh=None):
+    """Random parameters (plain pytree), created directly sharded when ``mesh`` is given."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    def init():
+        return nn.unbox(Transformer(cfg).init(rng, tokens)["params"])
+
+    if mesh is None:
+        return jax.jit(init)()
+    from mtrl_jax.model.sharding import param_shardings
+
+    return jax.jit(init, out_shardings=param_shardings(abstract_params(cfg), mesh))()
