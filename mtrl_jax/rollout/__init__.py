@@ -1,0 +1,1 @@
+"""Rollout: the jitted sampler, the environment interfaces and the asynchronous collector."""

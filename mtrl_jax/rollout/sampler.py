@@ -1,0 +1,181 @@
+"""Jitted sampler over a right-padded KV cache with per-row lengths.
+
+* ``prefill`` / ``extend``: append a block of tokens to every row at that row's own offset
+  (a prompt, a tool response). History is never re-encoded.
+* ``decode``: an on-device ``lax.while_loop`` that samples until each row hits one of its stop
+  tokens, ``max_new_tokens``, or the end of the cache. Temperature and top-p are ``[B]`` arrays
+  (not static), so changing them never recompiles.
+
+Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled id over the full
+vocabulary (not the top-p-truncated distribution), exactly what ``rl.logprobs`` recomputes.
+Temperature ``<= 0`` means greedy; its recorded log-prob is then that of temperature 1.
+
+``Sampler`` is the host-side wrapper: it pads blocks to a few bucketed lengths so repeated calls
+reuse a handful of compiled programs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from_hidden
+
+# Why a row stopped decoding.
+STOP_TOKEN, MAX_NEW_TOKENS, CACHE_FULL, INACTIVE = 0, 1, 2, 3
+STOP_REASONS = {STOP_TOKEN: "stop_token", MAX_NEW_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full", INACTIVE: "inactive"}
+
+# Number of times each jitted function has been traced (i.e. compiled for a new shape).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+class SamplerState(NamedTuple):
+    cache: KVCache  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32: tokens held per row
+    last_hidden: jax.Array  # [B, D]: hidden state of each row's last token (next-token logits)
+
+
+class DecodeOutput(NamedTuple):
+    tokens: jax.Array  # [B, M] int32, 0 after a row stopped
+    logp: jax.Array  # [B, M] float32 behaviour log-probs, 0 after a row stopped
+    num_tokens: jax.Array  # [B] int32
+    stop_reason: jax.Array  # [B] int32, one of STOP_REASONS
+
+
+def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
+    return SamplerState(init_cache(cfg, batch, max_len), jnp.zeros((batch,), jnp.int32),
+                        jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype))
+
+
+def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array) -> SamplerState:
+    """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded)."""
+    TRACE_COUNTS["extend"] += 1
+    T = tokens.shape[1]
+    valid = jnp.arange(T)[None, :] < num_new[:, None]
+    hidden, cache = forward(cfg, params, tokens, valid, state.cache, state.lengths)
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    last_hidden = jnp.where((num_new > 0)[:, None], last, state.last_hidden)
+    return SamplerState(cache, state.lengths + num_new.astype(jnp.int32), last_hidden)
+
+
+def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, max_len: int) -> SamplerState:
+    """A fresh cache of ``max_len`` slots holding ``tokens[b, :lengths[b]]``."""
+    return extend(cfg, params, init_state(cfg, tokens.shape[0], max_len), tokens, lengths)
+
+
+def next_token_logits(cfg: ModelConfig, params, state: SamplerState) -> jax.Array:
+    """float32 ``[B, V]`` logits of the token following each row."""
+    return logits_from_hidden(cfg, params, state.last_hidden)
+
+
+def sample_tokens(logits, rng, temperature, top_p):
+    """Sample ``[B]`` ids from ``logits [B, V]``; returns ``(tokens, behaviour logp)``."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+
+    def nucleus(scaled):
+        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
+        keep = jnp.sum(before < top_p[:, None], axis=-1)  # >= 1
+        threshold = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)
+        return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    filtered = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
+    sampled = jax.random.categorical(rng, filtered, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def decode(cfg: ModelConfig, params, state: SamplerState, rng, temperature, top_p, stop_tokens, active,
+           max_new_tokens: int) -> tuple[SamplerState, DecodeOutput]:
+    """Sample up to ``max_new_tokens`` per active row.
+
+    ``temperature``, ``top_p`` ``[B]`` float; ``stop_tokens [B, n]`` int32 (-1 = unused slot);
+    ``active [B]`` bool. A stop token is kept (written to the cache and returned). Rows that are
+    inactive or have stopped write nothing to the cache.
+    """
+    TRACE_COUNTS["decode"] += 1
+    B = state.lengths.shape[0]
+    max_len = state.cache.max_len
+    room = state.lengths < max_len
+    reason = jnp.where(active & ~room, CACHE_FULL, INACTIVE).astype(jnp.int32)
+    active = active & room
+
+    def cond(carry):
+        i, _, active, *_ = carry
+        return (i < max_new_tokens) & jnp.any(active)
+
+    def body(carry):
+        i, state, active, out_tokens, out_logp, num_tokens, reason = carry
+        logits = next_token_logits(cfg, params, state)
+        token, logp = sample_tokens(logits, jax.random.fold_in(rng, i), temperature, top_p)
+        token = jnp.where(active, token, 0)
+        state = extend(cfg, params, state, token[:, None], active.astype(jnp.int32))
+        out_tokens = out_tokens.at[:, i].set(token)
+        out_logp = out_logp.at[:, i].set(jnp.where(active, logp, 0.0))
+        num_tokens = num_tokens + active
+        is_stop = jnp.any(token[:, None] == stop_tokens, axis=-1)
+        full = state.lengths >= max_len
+        last = i + 1 >= max_new_tokens
+        reason = jnp.where(active & is_stop, STOP_TOKEN,
+                           jnp.where(active & full, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
+        active = active & ~is_stop & ~full & ~last
+        return i + 1, state, active, out_tokens, out_logp, num_tokens, reason
+
+    carry = (jnp.int32(0), state, active, jnp.zeros((B, max_new_tokens), jnp.int32),
+             jnp.zeros((B, max_new_tokens), jnp.float32), jnp.zeros((B,), jnp.int32), reason)
+    _, state, _, tokens, logp, num_tokens, reason = jax.lax.while_loop(cond, body, carry)
+    return state, DecodeOutput(tokens, logp, num_tokens, reason)
+
+
+# ----------------------------------------------------------------------------- host wrapper
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum): the padded block length for ``extend``."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Sampler:
+    """Host-side handle: fixed batch of ``slots`` rows, ``max_len`` cache slots per row."""
+
+    cfg: ModelConfig
+    slots: int
+    max_len: int
+    max_new_tokens: int
+    min_bucket: int = 16
+
+    def __post_init__(self):
+        self._extend = jax.jit(functools.partial(extend, self.cfg))
+        self._decode = jax.jit(functools.partial(decode, self.cfg), static_argnames=("max_new_tokens",))
+        self._init = jax.jit(functools.partial(init_state, self.cfg, self.slots, self.max_len))
+
+    def init(self) -> SamplerState:
+        return self._init()
+
+    def extend(self, params, state: SamplerState, blocks: Sequence[Sequence[int]]) -> SamplerState:
+        """Append ``blocks[b]`` (possibly empty) to each row; lengths are bucketed."""
+        if len(blocks) != self.slots:
+            raise ValueError(f"extend: got {len(blocks)} blocks for {self.slots} slots")
+        longest = max(len(b) for b in blocks)
+        width = bucket_length(longest, self.min_bucket)
+        tokens = np.zeros((self.slots, width), np.int32)
+        for row, block in enumerate(blocks):
+            tokens[row, :len(block)] = block
+        num_new = np.array([len(b) for b in blocks], np.int32)
+        return self._extend(params, state, tokens, num_new)
+
+    def decode(self, params, state, rng, temperature, top_p, stop_tokens, active):
+        return self._decode(params, state, rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                            jnp.asarray(stop_tokens, jnp.int32), jnp.asarray(active, bool),
+                            max_new_tokens=self.max_new_tokens)

@@ -1,0 +1,239 @@
+"""Policy model: HF parity, strict loading, export round trip, sharding, scan, dtypes."""
+
+import json
+import pathlib
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtrl_jax.model import (ModelConfig, abstract_params, compute_logits, forward, hf_io, init_params,
+                            load_hf_checkpoint, save_hf_checkpoint)
+from mtrl_jax.model import sharding
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+DECODERS = ["qwen2", "qwen3_tied", "qwen3_untied", "llama"]
+
+
+def reference(name):
+    ref = np.load(FIXTURES / name / "reference.npz")
+    return ref["tokens"], ref["attention_mask"], ref["logits"]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_logits_match_transformers(name):
+    model, params = load_hf_checkpoint(FIXTURES / name)
+    tokens, mask, ref_logits = reference(name)
+    logits = np.asarray(compute_logits(model, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    assert logits.dtype == np.float32
+    valid = mask.astype(bool)
+    assert np.abs(logits - ref_logits)[valid].max() <= 1e-4
+
+
+def test_fixture_variants_are_what_they_claim():
+    cfgs = {n: load_hf_checkpoint(FIXTURES / n)[0].config for n in DECODERS}
+    assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].qk_norm
+    assert cfgs["qwen3_tied"].qk_norm and cfgs["qwen3_tied"].tie_word_embeddings
+    assert not cfgs["qwen3_untied"].tie_word_embeddings and (FIXTURES / "qwen3_untied/model.safetensors.index.json").exists()
+    assert cfgs["llama"].rope_llama3_scaling is not None
+    assert "rope_theta" in json.loads((FIXTURES / "qwen2/config.json").read_text())
+    assert "rope_parameters" in json.loads((FIXTURES / "qwen3_tied/config.json").read_text())
+    for name, cfg in cfgs.items():
+        assert cfg.num_kv_heads < cfg.num_heads, name  # grouped-query attention
+        assert sum(f.stat().st_size for f in (FIXTURES / name).iterdir()) < 1 << 20
+    params = load_hf_checkpoint(FIXTURES / "qwen3_tied")[1]
+    assert "lm_head" not in params
+
+
+def test_rope_theta_both_places():
+    base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    assert ModelConfig.from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
+    assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 77.0}}).rope_theta == 77.0
+    with pytest.raises(ValueError, match="rope theta"):
+        ModelConfig.from_hf(base)
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ModelConfig.from_hf({**base, "rope_theta": 1.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        ModelConfig.from_hf({**base, "model_type": "gpt2"})
+
+
+# ------------------------------------------------------------------ strictness
+
+
+def _copy(tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def _rewrite(file, fn):
+    tensors = {k: np.array(v) for k, v in hf_io.read_safetensors(file).items()}
+    fn(tensors)
+    hf_io.write_safetensors(tensors, file)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = _copy(tmp_path, "qwen2")
+    _rewrite(path / "model.safetensors", lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.self_attn.k_proj.bias'"):
+        load_hf_checkpoint(path)
+
+
+def test_unmapped_tensor_is_named(tmp_path):
+    path = _copy(tmp_path, "qwen3_tied")
+    _rewrite(path / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.extra.weight' .* not mapped"):
+        load_hf_checkpoint(path)
+
+
+def test_lm_head_in_tied_checkpoint_is_an_error(tmp_path):
+    path = _copy(tmp_path, "qwen3_tied")
+    _rewrite(path / "model.safetensors", lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]))
+    with pytest.raises(ValueError, match="lm_head.weight.*tie_word_embeddings"):
+        load_hf_checkpoint(path)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    path = _copy(tmp_path, "qwen2")
+    _rewrite(path / "model.safetensors", lambda t: t.__setitem__("model.norm.weight", np.ones(31, np.float32)))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(31,\), expected \(32,\)"):
+        load_hf_checkpoint(path)
+
+
+def test_duplicated_tensor_across_shards_is_named(tmp_path):
+    path = _copy(tmp_path, "qwen3_untied")
+    first = sorted(path.glob("model-*.safetensors"))[0]
+    second = sorted(path.glob("model-*.safetensors"))[1]
+    name = next(iter(hf_io.read_safetensors(first)))
+    value = np.array(hf_io.read_safetensors(first)[name])
+    _rewrite(second, lambda t: t.__setitem__(name, value))
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        load_hf_checkpoint(path)
+
+
+def test_missing_shard_file_is_named(tmp_path):
+    path = _copy(tmp_path, "llama")
+    victim = sorted(path.glob("model-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        load_hf_checkpoint(path)
+
+
+# ------------------------------------------------------------------ dtypes, export
+
+
+def test_bfloat16_params_and_compute():
+    tokens, mask, ref_logits = reference("qwen3_untied")
+    model, params = load_hf_checkpoint(FIXTURES / "qwen3_untied", dtype="bfloat16")
+    assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
+    logits = np.asarray(compute_logits(model, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(logits - ref_logits)[mask.astype(bool)].max() < 0.05
+
+
+def test_float32_params_bfloat16_compute():
+    tokens, mask, ref_logits = reference("qwen2")
+    model, params = load_hf_checkpoint(FIXTURES / "qwen2", "float32", compute_dtype="bfloat16")
+    assert model.config.param_dtype == "float32" and model.config.dtype == "bfloat16"
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    hidden, _ = forward(model.config, params, jnp.asarray(tokens), jnp.asarray(mask))
+    assert hidden.dtype == jnp.bfloat16
+    logits = np.asarray(compute_logits(model, params, jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(logits - ref_logits)[mask.astype(bool)].max() < 0.05
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("shard_bytes", [None, 40_000])
+def test_load_save_load_is_exact(tmp_path, name, shard_bytes):
+    model, params = load_hf_checkpoint(FIXTURES / name)
+    save_hf_checkpoint(model, params, tmp_path / "out", max_shard_bytes=shard_bytes)
+    assert (tmp_path / "out/model.safetensors.index.json").exists() == (shard_bytes is not None)
+    model2, params2 = load_hf_checkpoint(tmp_path / "out")
+    assert model2.config == model.config
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+    assert jax.tree.structure(params) == jax.tree.structure(params2)
+
+
+def test_safetensors_writer_is_readable_by_the_safetensors_library(tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([1, 2], np.int64)}
+    hf_io.write_safetensors(tensors, tmp_path / "x.safetensors")
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    for k in tensors:
+        np.testing.assert_array_equal(loaded[k], tensors[k])
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def test_sharded_forward_and_grad_match_single_device():
+    assert jax.device_count() >= 8, "conftest sets 8 fake CPU devices"
+    tokens, mask, _ = reference("qwen3_untied")
+    tokens = np.concatenate([tokens, tokens[::-1]])[:4]
+    mask = np.concatenate([mask, mask[::-1]])[:4]
+    model, params = load_hf_checkpoint(FIXTURES / "qwen3_untied")
+    cfg = model.config
+
+    def loss(params, tokens, mask):
+        logits = compute_logits(model, params, tokens, mask)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        return -(picked * mask[:, 1:]).sum() / mask[:, 1:].sum(), logits
+
+    (ref_loss, ref_logits), ref_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, tokens, mask)
+
+    mesh = sharding.make_mesh((2, 2, 2))
+    _, sharded = load_hf_checkpoint(FIXTURES / "qwen3_untied", mesh=mesh)
+    q_proj = sharded["layers"]["attn"]["q_proj"]
+    assert q_proj.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q_proj.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size // 2, cfg.num_heads // 2, cfg.head_dim)
+    assert sharded["embed"].addressable_shards[0].data.size == sharded["embed"].size // 4
+    assert not sharded["lm_head"].sharding.is_fully_replicated
+
+    batch = sharding.batch_sharding(mesh)
+    with mesh, sharding.axis_rules():
+        (sh_loss, sh_logits), sh_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+            sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch))
+    np.testing.assert_allclose(sh_logits, ref_logits, atol=1e-5)
+    np.testing.assert_allclose(sh_loss, ref_loss, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), sh_grad, ref_grad)
+
+
+def test_init_params_on_mesh_is_partitioned():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    params = init_params(cfg, jax.random.PRNGKey(0), mesh=sharding.make_mesh((2, 2, 2)))
+    gate = params["layers"]["mlp"]["gate_proj"]
+    assert gate.addressable_shards[0].data.shape == (2, 16, 32)
+
+
+# ------------------------------------------------------------------ scan, remat
+
+
+def _tiny(layers, **kw):
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=8, qk_norm=True, **kw)
+
+
+def test_program_size_does_not_grow_with_depth():
+    tokens = jnp.zeros((2, 8), jnp.int32)
+
+    def size(layers):
+        cfg = _tiny(layers)
+        params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nn.unbox(abstract_params(cfg)))
+        return len(jax.make_jaxpr(lambda p: forward(cfg, p, tokens)[0])(params).jaxpr.eqns)
+
+    assert size(2) == size(12)
+
+
+def test_remat_gives_the_same_gradient():
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
+    params = init_params(_tiny(3), jax.random.PRNGKey(0))
+
+    def grad(cfg):
+        return jax.grad(lambda p: forward(cfg, p, tokens)[0].astype(jnp.float32).sum())(params)
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grad(_tiny(3)), grad(_tiny(3, remat=True)))  # recompute reorders float sums
