@@ -145,6 +145,14 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg: ModelConfig):
+    """One set of jitted functions per model config, shared by every ``Sampler``."""
+    return (jax.jit(functools.partial(extend, cfg)),
+            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens",)),
+            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1)))
+
+
 @dataclasses.dataclass
 class Sampler:
     """Host-side handle: fixed batch of ``slots`` rows, ``max_len`` cache slots per row."""
@@ -156,12 +164,10 @@ class Sampler:
     min_bucket: int = 16
 
     def __post_init__(self):
-        self._extend = jax.jit(functools.partial(extend, self.cfg))
-        self._decode = jax.jit(functools.partial(decode, self.cfg), static_argnames=("max_new_tokens",))
-        self._init = jax.jit(functools.partial(init_state, self.cfg, self.slots, self.max_len))
+        self._extend, self._decode, self._init = _compiled(self.cfg)
 
     def init(self) -> SamplerState:
-        return self._init()
+        return self._init(self.slots, self.max_len)
 
     def extend(self, params, state: SamplerState, blocks: Sequence[Sequence[int]]) -> SamplerState:
         """Append ``blocks[b]`` (possibly empty) to each row; lengths are bucketed."""

@@ -1,0 +1,139 @@
+"""KV-cache sampler: greedy parity, behaviour log-probs, extend, stopping, determinism, buckets."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtrl_jax.model import compute_logits, load_hf_checkpoint
+from mtrl_jax.rl.logprobs import sequence_logprobs
+from mtrl_jax.rollout import sampler as S
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+PROMPTS = [[5, 17, 33, 2], [9, 81, 4, 100, 7, 64, 12], [250]]
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    return load_hf_checkpoint(FIXTURES / "qwen3_untied")
+
+
+def _run(model_params, temperature, top_p=(1.0, 1.0, 1.0), seed=0, stop=((-1,),) * 3, max_new=12, max_len=64):
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=max_len, max_new_tokens=max_new)
+    state = smp.extend(params, smp.init(), PROMPTS)
+    return smp.decode(params, state, jax.random.PRNGKey(seed), temperature, top_p, stop, [True] * 3)
+
+
+def _padded(seqs):
+    T = max(map(len, seqs))
+    tokens = np.zeros((len(seqs), T), np.int32)
+    mask = np.zeros_like(tokens)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def test_greedy_decode_equals_stepwise_argmax(model_params):
+    model, params = model_params
+    _, out = _run(model_params, temperature=[0.0] * 3)
+    full_forward = jax.jit(lambda tokens, mask: compute_logits(model, params, tokens, mask))
+    for row, prompt in enumerate(PROMPTS):
+        seq = list(prompt)
+        for _ in range(12):
+            tokens, mask = np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32)
+            tokens[0, :len(seq)], mask[0, :len(seq)] = seq, 1
+            logits = full_forward(tokens, mask)
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+        assert list(np.asarray(out.tokens[row])) == seq[len(prompt):]
+
+
+def test_behaviour_logprobs_equal_teacher_forced_recompute(model_params):
+    model, params = model_params
+    temperature = np.array([1.0, 0.7, 1.3], np.float32)
+    _, out = _run(model_params, temperature=temperature, top_p=[1.0, 0.9, 0.8], seed=3)
+    seqs = [p + list(np.asarray(out.tokens[i, :out.num_tokens[i]])) for i, p in enumerate(PROMPTS)]
+    tokens, mask = _padded(seqs)
+    logp, _ = sequence_logprobs(model.config, params, tokens, mask, temperature=temperature, chunk_size=7)
+    for i, p in enumerate(PROMPTS):
+        n = int(out.num_tokens[i])
+        np.testing.assert_allclose(np.asarray(logp[i, len(p):len(p) + n]), np.asarray(out.logp[i, :n]), atol=1e-4)
+
+
+def test_prefill_then_extend_equals_prefill_of_concatenation(model_params):
+    model, params = model_params
+    cfg = model.config
+    extra = [[3, 4, 5], [], [6, 7, 8, 9, 10, 11]]
+    smp = S.Sampler(cfg, slots=3, max_len=64, max_new_tokens=4)
+    two_step = smp.extend(params, smp.extend(params, smp.init(), PROMPTS), extra)
+    one_step = smp.extend(params, smp.init(), [p + e for p, e in zip(PROMPTS, extra)])
+    np.testing.assert_array_equal(two_step.lengths, one_step.lengths)
+    np.testing.assert_allclose(S.next_token_logits(cfg, params, two_step), S.next_token_logits(cfg, params, one_step), atol=1e-4)
+    # and both equal the plain forward's last-position logits
+    tokens, mask = _padded([p + e for p, e in zip(PROMPTS, extra)])
+    logits = compute_logits(model, params, tokens, mask)
+    last = np.asarray([logits[i, len(p) + len(e) - 1] for i, (p, e) in enumerate(zip(PROMPTS, extra))])
+    np.testing.assert_allclose(S.next_token_logits(cfg, params, one_step), last, atol=1e-4)
+
+
+def test_stopped_row_writes_nothing_more(model_params):
+    _, free = _run(model_params, temperature=[0.0] * 3)
+    stop_id = int(free.tokens[1, 2])  # row 1 will stop on its third token
+    stop = [[-1, -1], [stop_id, -1], [-1, -1]]
+    state, out = _run(model_params, temperature=[0.0] * 3, stop=stop)
+    first = list(np.asarray(free.tokens[1])).index(stop_id)
+    assert int(out.num_tokens[1]) == first + 1
+    assert S.STOP_REASONS[int(out.stop_reason[1])] == "stop_token"
+    assert int(out.tokens[1, first]) == stop_id  # the stop token itself is kept
+    assert np.all(np.asarray(out.tokens[1, first + 1:]) == 0) and np.all(np.asarray(out.logp[1, first + 1:]) == 0)
+    length = len(PROMPTS[1]) + first + 1
+    assert int(state.lengths[1]) == length
+    assert np.all(np.asarray(state.cache.k[:, 1, length:]) == 0)  # nothing written past the stop
+    assert S.STOP_REASONS[int(out.stop_reason[0])] == "max_new_tokens"
+
+
+def test_inactive_rows_and_cache_full(model_params):
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=16, max_new_tokens=12)
+    state = smp.extend(params, smp.init(), PROMPTS)
+    before = np.asarray(state.cache.k[:, 0])
+    state, out = smp.decode(params, state, jax.random.PRNGKey(0), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [False, True, True])
+    assert S.STOP_REASONS[int(out.stop_reason[0])] == "inactive" and int(out.num_tokens[0]) == 0
+    np.testing.assert_array_equal(np.asarray(state.cache.k[:, 0]), before)
+    assert S.STOP_REASONS[int(out.stop_reason[1])] == "cache_full"
+    assert int(state.lengths[1]) == 16 and int(out.num_tokens[1]) == 16 - len(PROMPTS[1])
+
+
+def test_same_key_same_samples_and_different_key_differs(model_params):
+    _, a = _run(model_params, temperature=[1.0] * 3, seed=11)
+    _, b = _run(model_params, temperature=[1.0] * 3, seed=11)
+    _, c = _run(model_params, temperature=[1.0] * 3, seed=12)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logp, b.logp)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_top_p_restricts_to_the_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
+    tokens, logp = S.sample_tokens(logits, jax.random.PRNGKey(0), jnp.ones(512), jnp.full(512, 0.7))
+    assert set(np.asarray(tokens).tolist()) == {0, 1}
+    np.testing.assert_allclose(logp, np.log(np.array([0.5, 0.3]))[np.asarray(tokens)], rtol=1e-5)  # full-vocab logp
+
+
+def test_bucketed_shapes_reuse_compiled_programs(model_params):
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=128, max_new_tokens=4)
+    S.TRACE_COUNTS.clear()
+    state = smp.init()
+    for n in [3, 9, 16, 5, 12, 1]:  # all in the 16 bucket
+        state = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
+    assert S.TRACE_COUNTS["extend"] == 1
+    for n in [17, 30, 2]:  # one new bucket (32)
+        state = smp.extend(params, state, [[1] * n, [], [3]])
+    assert S.TRACE_COUNTS["extend"] == 2
+    for seed, temp in enumerate([0.5, 1.0, 0.0]):  # new temperatures are arrays: no recompile
+        state, _ = smp.decode(params, state, jax.random.PRNGKey(seed), [temp] * 3, [0.9] * 3, [[-1]] * 3, [True] * 3)
+    assert S.TRACE_COUNTS["decode"] == 1
+    assert [S.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
