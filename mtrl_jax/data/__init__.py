@@ -1,0 +1,1 @@
+"""Tasks and collections: the JSONL task format, BEIR import, validation splits, mixtures, synthetic data."""

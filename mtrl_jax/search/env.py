@@ -1,0 +1,220 @@
+"""The search environment: tools over one collection, the tool-call protocol, the reward.
+
+Protocol (Qwen / Hermes style, what Qwen chat templates produce):
+
+* the system prompt lists the tools' JSON schemas inside ``<tools></tools>``;
+* a tool call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (several per turn
+  are allowed); each result comes back as a ``tool`` message;
+* a turn without a tool call ends the episode. Its final answer is
+  ``<answer>doc-id-1, doc-id-2, ...</answer>`` (best first; commas or white space; a JSON list is
+  accepted too). An answer without ids falls back to ``answer_fallback``: the last search's results
+  (``"last_search"``), a reciprocal-rank fusion of every search (``"fusion"``), or nothing (``"none"``).
+
+Reward: nDCG@10 of the final ranking, or -1 when the episode used ``max_turns`` turns without
+answering or a turn hit the per-turn token limit (``StepResult.turn["stop_reason"]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from typing import Optional
+
+from mtrl_jax.rollout.env import FAILURE_REWARD, Environment, Episode, Reward, StepResult, Tool, ToolError
+from mtrl_jax.search.metrics import ndcg_at_k
+from mtrl_jax.search.retrievers import reciprocal_rank_fusion
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+DEFAULT_INSTRUCTIONS = (
+    "You are a search agent. Use the search tools to find the documents that answer the user's question, "
+    "then reply with their ids, best first, as <answer>id1, id2, ...</answer>."
+)
+
+TOOLS_TEMPLATE = """
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{schemas}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+class NdcgReward:
+    """nDCG@k of the final ranking against the task's graded qrels."""
+
+    def __init__(self, k: int = 10):
+        self.k = k
+
+    def __call__(self, task, final_ranking: list[str]) -> float:
+        return ndcg_at_k(final_ranking, task.qrels, self.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchEnvConfig:
+    max_turns: int = 4
+    answer_fallback: str = "last_search"  # "last_search" | "fusion" | "none"
+    max_answer_docs: int = 10
+    instructions: str = DEFAULT_INSTRUCTIONS
+
+    def __post_init__(self):
+        if self.answer_fallback not in ("last_search", "fusion", "none"):
+            raise ValueError(f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}")
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+
+
+def parse_tool_calls(text: str) -> list[tuple[Optional[str], Optional[dict], Optional[ToolError]]]:
+    """``[(name, arguments, None) | (name?, None, ToolError)]`` for each ``<tool_call>`` block."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append((None, None, ToolError("bad_json", f"invalid JSON in tool call: {e.msg}")))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append((None, None, ToolError("bad_format", 'a tool call must be {"name": ..., "arguments": {...}}')))
+            continue
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            calls.append((call["name"], None, ToolError("bad_arguments", f"{call['name']}: arguments must be a JSON object")))
+            continue
+        calls.append((call["name"], arguments, None))
+    if text.count("<tool_call>") > len(calls):
+        calls.append((None, None, ToolError("bad_format", "unterminated <tool_call> (missing </tool_call>)")))
+    return calls
+
+
+def parse_answer(text: str) -> Optional[list[str]]:
+    """Doc ids in the last ``<answer>`` block (``None`` when there is no block)."""
+    blocks = ANSWER.findall(text)
+    if not blocks:
+        return None
+    body = blocks[-1].strip()
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, list):
+            return [str(x) for x in parsed]
+    except json.JSONDecodeError:
+        pass
+    return [t.strip("\"'[]") for t in re.split(r"[,\s]+", body) if t.strip("\"'[]")]
+
+
+class SearchEnvironment(Environment):
+    def __init__(self, tools: list[Tool], config: SearchEnvConfig = SearchEnvConfig(), reward: Optional[Reward] = None,
+                 known_doc_ids: Optional[set] = None):
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        self.tools = {t.name: t for t in tools}
+        self.config = config
+        self.reward_fn = reward or NdcgReward(10)
+        self.known_doc_ids = known_doc_ids
+
+    def system_prompt(self) -> str:
+        schemas = "\n".join(json.dumps(t.schema()) for t in self.tools.values())
+        return self.config.instructions + TOOLS_TEMPLATE.format(schemas=schemas)
+
+    def reset(self, task) -> tuple[Episode, list[dict]]:
+        return Episode(task), [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": task.query}]
+
+    def step(self, episode: Episode, assistant_text: str, hit_token_limit: bool = False) -> StepResult:
+        if episode.status is not None:
+            raise RuntimeError("step() on a finished episode")
+        turn = {"index": len(episode.turns), "text": assistant_text, "calls": [], "errors": [], "doc_ids": [],
+                "latency_s": 0.0, "stop_reason": "token_limit" if hit_token_limit else "end_of_turn"}
+        episode.turns.append(turn)
+        if hit_token_limit:
+            return self._finish(episode, turn, "turn_token_limit")
+
+        calls = parse_tool_calls(assistant_text)
+        if not calls:
+            return self._answer(episode, turn, parse_answer(assistant_text))
+
+        messages = []
+        for name, arguments, error in calls:
+            record = {"name": name, "arguments": arguments, "doc_ids": [], "latency_s": 0.0, "error": None}
+            start = time.perf_counter()
+            try:
+                if error is not None:
+                    raise error
+                if name not in self.tools:
+                    raise ToolError("unknown_tool", f"unknown tool {name!r}; available: {sorted(self.tools)}")
+                output = self.tools[name](arguments)
+                record["doc_ids"] = output.doc_ids
+                episode.search_results.append(output.doc_ids)
+                episode.count(f"tool_calls/{name}")
+                content = output.content
+            except ToolError as e:
+                record["error"] = f"{e.kind}: {e}"
+                turn["errors"].append(record["error"])
+                episode.count(f"tool_errors/{e.kind}")
+                content = f"Error: {e}"
+            record["latency_s"] = time.perf_counter() - start
+            turn["latency_s"] += record["latency_s"]
+            turn["doc_ids"] += record["doc_ids"]
+            turn["calls"].append(record)
+            messages.append({"role": "tool", "content": content})
+        if len(episode.turns) >= self.config.max_turns:
+            return self._finish(episode, turn, "max_turns")
+        return StepResult(messages, False, turn)
+
+    def _answer(self, episode: Episode, turn: dict, answer: Optional[list[str]]) -> StepResult:
+        if answer:
+            ranking, source = answer, "answer"
+        elif self.config.answer_fallback == "last_search" and episode.search_results:
+            ranking, source = episode.search_results[-1], "fallback_last_search"
+        elif self.config.answer_fallback == "fusion" and episode.search_results:
+            ranking, source = [d for d, _ in reciprocal_rank_fusion(episode.search_results)], "fallback_fusion"
+        else:
+            ranking, source = [], "empty"
+        ranking = ranking[: self.config.max_answer_docs]
+        if self.known_doc_ids is not None:
+            unknown = sum(d not in self.known_doc_ids for d in ranking)
+            if unknown:
+                episode.count("answer_unknown_ids", unknown)
+        episode.count(f"answer_source/{source}")
+        turn["answer_source"] = source
+        episode.final_ranking = ranking
+        return self._finish(episode, turn, "ok")
+
+    def _finish(self, episode: Episode, turn: dict, status: str) -> StepResult:
+        episode.status = status
+        if status == "ok":
+            episode.reward = float(self.reward_fn(episode.task, episode.final_ranking))
+        else:
+            episode.final_ranking = episode.final_ranking or []
+            episode.reward = FAILURE_REWARD
+        turn["status"] = status
+        return StepResult([], True, turn)
+
+
+class EnvironmentRouter(Environment):
+    """Dispatches each task to the environment of its corpus (dataset mixtures)."""
+
+    def __init__(self, environments: dict[str, Environment]):
+        self.environments = environments
+
+    def _env(self, task) -> Environment:
+        try:
+            return self.environments[task.corpus]
+        except KeyError:
+            raise ValueError(f"task {task.task_id!r}: no environment for corpus {task.corpus!r}; have {sorted(self.environments)}") from None
+
+    def reset(self, task):
+        return self._env(task).reset(task)
+
+    def step(self, episode, assistant_text, hit_token_limit=False):
+        return self._env(episode.task).step(episode, assistant_text, hit_token_limit)
