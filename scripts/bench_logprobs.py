@@ -22,7 +22,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8_192, help="B*T")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     B, T = args.batch, args.tokens // args.batch

@@ -106,6 +106,21 @@ def test_inactive_rows_and_cache_full(model_params):
     assert int(state.lengths[1]) == 16 and int(out.num_tokens[1]) == 16 - len(PROMPTS[1])
 
 
+def test_samples_do_not_depend_on_slot_or_call_split(model_params):
+    model, params = model_params
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    smp = S.Sampler(model.config, slots=3, max_len=64, max_new_tokens=12)
+    state = smp.extend(params, smp.init(), PROMPTS)
+    _, whole = smp.decode(params, state, keys, [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
+    # rows in reverse slots, decoded in two calls of 5 and 7 tokens
+    state = smp.extend(params, smp.init(), PROMPTS[::-1])
+    state, first = smp.decode(params, state, keys[::-1], [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3, budget=[5] * 3)
+    _, second = smp.decode(params, state, keys[::-1], [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3, budget=[7] * 3)
+    split = np.concatenate([np.asarray(first.tokens)[:, :5], np.asarray(second.tokens)[:, :7]], axis=1)[::-1]
+    np.testing.assert_array_equal(split, np.asarray(whole.tokens))
+    assert S.STOP_REASONS[int(first.stop_reason[0])] == "max_new_tokens" and int(first.num_tokens[0]) == 5
+
+
 def test_same_key_same_samples_and_different_key_differs(model_params):
     _, a = _run(model_params, temperature=[1.0] * 3, seed=11)
     _, b = _run(model_params, temperature=[1.0] * 3, seed=11)
@@ -117,7 +132,8 @@ def test_same_key_same_samples_and_different_key_differs(model_params):
 
 def test_top_p_restricts_to_the_nucleus():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
-    tokens, logp = S.sample_tokens(logits, jax.random.PRNGKey(0), jnp.ones(512), jnp.full(512, 0.7))
+    keys = jax.random.split(jax.random.PRNGKey(0), 512)
+    tokens, logp = S.sample_tokens(logits, keys, jnp.ones(512), jnp.full(512, 0.7))
     assert set(np.asarray(tokens).tolist()) == {0, 1}
     np.testing.assert_allclose(logp, np.log(np.array([0.5, 0.3]))[np.asarray(tokens)], rtol=1e-5)  # full-vocab logp
 

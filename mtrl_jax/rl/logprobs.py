@@ -46,7 +46,7 @@ def token_logprobs_dense(hidden, head, targets, temperature=1.0):
     return logp.reshape(B, T), entropy.reshape(B, T)
 
 
-def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 1024):
+def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512):
     """Chunked, rematerialised version of ``token_logprobs_dense`` (same values and gradients)."""
     B, T, D = hidden.shape
     chex.assert_shape(targets, (B, T))
@@ -70,7 +70,7 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 102
     return logp.reshape(-1)[:n].reshape(B, T), entropy.reshape(-1)[:n].reshape(B, T)
 
 
-def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 1024):
+def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512):
     """Teacher-forced ``log p(tokens[:, t] | tokens[:, :t])`` and entropy, ``[B, T]`` float32.
 
     Column 0 (no context) is 0. This is the training path the sampler's ``behav_logp`` is

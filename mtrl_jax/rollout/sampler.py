@@ -75,8 +75,9 @@ def next_token_logits(cfg: ModelConfig, params, state: SamplerState) -> jax.Arra
     return logits_from_hidden(cfg, params, state.last_hidden)
 
 
-def sample_tokens(logits, rng, temperature, top_p):
-    """Sample ``[B]`` ids from ``logits [B, V]``; returns ``(tokens, behaviour logp)``."""
+def sample_tokens(logits, keys, temperature, top_p):
+    """Sample ``[B]`` ids from ``logits [B, V]`` with one PRNG key per row (``keys [B]``);
+    returns ``(tokens, behaviour logp)``."""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
@@ -90,18 +91,20 @@ def sample_tokens(logits, rng, temperature, top_p):
         return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     filtered = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
-    sampled = jax.random.categorical(rng, filtered, axis=-1)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-def decode(cfg: ModelConfig, params, state: SamplerState, rng, temperature, top_p, stop_tokens, active,
-           max_new_tokens: int) -> tuple[SamplerState, DecodeOutput]:
-    """Sample up to ``max_new_tokens`` per active row.
+def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature, top_p, stop_tokens, active,
+           budget, max_new_tokens: int) -> tuple[SamplerState, DecodeOutput]:
+    """Sample up to ``min(budget[b], max_new_tokens)`` tokens per active row.
 
-    ``temperature``, ``top_p`` ``[B]`` float; ``stop_tokens [B, n]`` int32 (-1 = unused slot);
-    ``active [B]`` bool. A stop token is kept (written to the cache and returned). Rows that are
-    inactive or have stopped write nothing to the cache.
+    ``row_keys [B]``: one PRNG key per row; the token at cache position ``p`` is drawn with
+    ``fold_in(row_keys[b], p)``, so a row's samples do not depend on its slot, its neighbours or
+    how decoding is split into calls. ``temperature``, ``top_p`` ``[B]`` float; ``stop_tokens
+    [B, n]`` int32 (-1 = unused); ``active [B]`` bool; ``budget [B]`` int32. A stop token is kept
+    (written to the cache and returned). Rows that are inactive or have stopped write nothing.
     """
     TRACE_COUNTS["decode"] += 1
     B = state.lengths.shape[0]
@@ -117,7 +120,8 @@ def decode(cfg: ModelConfig, params, state: SamplerState, rng, temperature, top_
     def body(carry):
         i, state, active, out_tokens, out_logp, num_tokens, reason = carry
         logits = next_token_logits(cfg, params, state)
-        token, logp = sample_tokens(logits, jax.random.fold_in(rng, i), temperature, top_p)
+        keys = jax.vmap(jax.random.fold_in)(row_keys, state.lengths)
+        token, logp = sample_tokens(logits, keys, temperature, top_p)
         token = jnp.where(active, token, 0)
         state = extend(cfg, params, state, token[:, None], active.astype(jnp.int32))
         out_tokens = out_tokens.at[:, i].set(token)
@@ -125,7 +129,7 @@ def decode(cfg: ModelConfig, params, state: SamplerState, rng, temperature, top_
         num_tokens = num_tokens + active
         is_stop = jnp.any(token[:, None] == stop_tokens, axis=-1)
         full = state.lengths >= max_len
-        last = i + 1 >= max_new_tokens
+        last = (i + 1 >= max_new_tokens) | (num_tokens >= budget)
         reason = jnp.where(active & is_stop, STOP_TOKEN,
                            jnp.where(active & full, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
         active = active & ~is_stop & ~full & ~last
@@ -181,7 +185,18 @@ class Sampler:
         num_new = np.array([len(b) for b in blocks], np.int32)
         return self._extend(params, state, tokens, num_new)
 
-    def decode(self, params, state, rng, temperature, top_p, stop_tokens, active):
-        return self._decode(params, state, rng, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-                            jnp.asarray(stop_tokens, jnp.int32), jnp.asarray(active, bool),
+    def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
+        """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
+        row_keys = jnp.asarray(row_keys)
+        if row_keys.ndim == 1 and not jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
+            row_keys = jax.random.split(row_keys, self.slots)
+        if budget is None:
+            budget = np.full(self.slots, self.max_new_tokens, np.int32)
+        return self._decode(params, state, row_keys, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
+                            jnp.asarray(stop_tokens, jnp.int32), jnp.asarray(active, bool), jnp.asarray(budget, jnp.int32),
                             max_new_tokens=self.max_new_tokens)
+
+    def reset_rows(self, state: SamplerState, rows) -> SamplerState:
+        """Empty the given rows (a new episode starts there); stale cache entries are masked out."""
+        rows = jnp.asarray(rows, bool)
+        return state._replace(lengths=jnp.where(rows, 0, state.lengths))
