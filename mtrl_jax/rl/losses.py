@@ -84,6 +84,7 @@ def _ratio_metrics(ratio, logp, old_logp, mask) -> dict:
         "approx_kl": masked_mean(old_logp - logp, mask),
         "is_weight_mean": masked_mean(ratio, mask),
         "is_weight_max": masked_max(ratio, mask),
+        "ratio_max_dev": masked_max(jnp.abs(ratio - 1.0), mask),
     }
 
 

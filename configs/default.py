@@ -1,0 +1,116 @@
+"""The embedded default: a tiny Qwen3-architecture policy on the synthetic collection, CPU-sized.
+
+    python -m experiments.run --config=configs/default.py --workdir=workdirs/default
+
+It trains its own small tokenizer, warms the policy up on scripted demonstrations of the tool
+protocol, then runs MTRL. Everything a real run needs is a field here; see configs/qwen3_search.py.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config():
+    c = config_dict.ConfigDict()
+    c.seed = 0
+    # The three knobs users set.
+    c.max_epochs = 1
+    c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
+    c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
+    c.max_steps = 24  # 0: max_epochs * (train tasks // global_batch_size)
+
+    c.model = config_dict.ConfigDict()
+    c.model.checkpoint = ""  # a local HF directory; empty: the tiny model below, randomly initialised
+    c.model.tokenizer = ""  # tokenizer.json; empty: the checkpoint's, or a BPE trained on the corpus
+    c.model.tiny_vocab = 1024
+    c.model.tiny_hidden = 128
+    c.model.tiny_layers = 2
+    c.model.tiny_heads = 4
+    c.model.tiny_kv_heads = 2
+    c.model.tiny_head_dim = 32
+    c.model.tiny_intermediate = 384
+    c.model.dtype = "float32"  # parameters
+    c.model.compute_dtype = "float32"
+    c.model.remat = False
+    c.model.mesh_shape = (1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+    c.model.assistant_prefix = ""  # e.g. "<think>\n\n</think>\n\n" for Qwen3 without thinking
+
+    c.data = config_dict.ConfigDict()
+    c.data.synthetic = True
+    c.data.synthetic_seed = 0
+    c.data.folders = ""  # comma-separated BEIR folders, e.g. "../shared/data/scifact,../shared/data/cranfield"
+    c.data.weights = ""  # comma-separated mixture weights (default: proportional to size)
+    c.data.validation_fraction = 0.05
+    c.data.max_eval_tasks = 0  # 0: all validation tasks
+
+    c.search = config_dict.ConfigDict()
+    c.search.tools = "bm25_search,vector_search"
+    c.search.encoder = "tfidf"  # tfidf | minilm | a sentence-transformers directory
+    c.search.tfidf_dim = 32
+    c.search.index_type = "flat"
+    c.search.top_k = 5
+    c.search.max_doc_chars = 120
+    c.search.cache_dir = ""
+    c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (scripts/serve_tools.py)
+
+    c.env = config_dict.ConfigDict()
+    c.env.max_turns = 4
+    c.env.answer_fallback = "fusion"
+    c.env.max_answer_docs = 10
+
+    c.rollout = config_dict.ConfigDict()
+    c.rollout.group_size = 8
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.max_len = 1024  # context tokens per episode
+    c.rollout.max_tokens_per_turn = 48
+    c.rollout.decode_chunk = 48
+    c.rollout.tool_workers = 4  # 0: tools inline (a fully deterministic schedule)
+    c.rollout.asynchronous = True  # generate the next batch while training on this one
+    c.rollout.max_staleness = 1  # parameter versions a trained token may lag behind
+
+    c.rl = config_dict.ConfigDict()
+    c.rl.loss = "ppo"  # ppo | cispo | is | gspo | any registered loss
+    c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo | grpo_passk | reinforce_pp_baseline | registered
+    c.rl.grpo_scale = "group"
+    c.rl.passk_k = 4
+    c.rl.clip_low = config_dict.placeholder(float)  # None: the loss's own default
+    c.rl.clip_high = config_dict.placeholder(float)
+    c.rl.clip_dual = config_dict.placeholder(float)
+    c.rl.is_cap = config_dict.placeholder(float)
+    c.rl.aggregation = "token-mean"
+    c.rl.old_logp = "recompute"
+    c.rl.tis_cap = 2.0
+    c.rl.kl_coef = 0.0
+    c.rl.kl_estimator = "k3"
+    c.rl.entropy_coef = 0.0
+    c.rl.update_epochs = 1
+    c.rl.mini_batches = 2
+    c.rl.micro_batches = 1
+    c.rl.length_bucket = 128
+    c.rl.logprob_chunk = 512
+
+    c.optim = config_dict.ConfigDict()
+    c.optim.learning_rate = 2e-4
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.grad_clip = 1.0
+    c.optim.weight_decay = 0.0
+
+    c.warmup = config_dict.ConfigDict()
+    c.warmup.steps = 300  # 0: no supervised warm-up (real checkpoints)
+    c.warmup.batch_size = 16
+    c.warmup.learning_rate = 3e-3
+
+    c.eval = config_dict.ConfigDict()
+    c.eval.every_steps = 0  # 0: only before and after RL
+    c.eval.temperature = 0.0  # greedy
+
+    c.checkpoint = config_dict.ConfigDict()
+    c.checkpoint.every_steps = 4
+    c.checkpoint.keep = 2
+
+    c.log = config_dict.ConfigDict()
+    c.log.trajectories = True
+    c.log.progress = True
+    c.lock()
+    return c

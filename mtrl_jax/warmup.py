@@ -1,0 +1,92 @@
+"""The embedded default's warm-up: supervised training on scripted, deliberately imperfect
+demonstrations of the tool protocol.
+
+A real run starts from an instruction-tuned checkpoint that already knows the protocol; this
+stands in for that. The scripted teacher calls a *random* search tool once with the question
+verbatim, then answers without ids (so the environment's answer fallback ranks the results).
+It never learns which tool suits which question or when a second search helps: RL has to.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mtrl_jax.chat import ChatFormat
+from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.rl.batch import bucket
+from mtrl_jax.rl.train_step import sequence_logp
+from mtrl_jax.rollout.env import Environment
+
+
+def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str]):
+    """A scripted policy: one random-tool search with the question verbatim, then an empty answer."""
+    tool = tool_names[rng.integers(len(tool_names))]
+
+    def policy(messages):
+        if messages[-1]["role"] == "user":
+            call = {"name": tool, "arguments": {"query": messages[-1]["content"]}}
+            return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        return "<answer></answer>"
+
+    return policy
+
+
+def demonstration_tokens(chat: ChatFormat, env: Environment, task, policy) -> tuple[list[int], list[int]]:
+    """Run the scripted ``policy`` in ``env`` and render the episode as (tokens, loss mask),
+    exactly as the collector would have produced it had the policy sampled these turns."""
+    episode, messages = env.reset(task)
+    tokens = chat.prompt(messages)
+    mask = [0] * len(tokens)
+    for _ in range(100):
+        text = policy(messages)
+        turn = chat.encode(text) + [chat.im_end_id]
+        tokens, mask = tokens + turn, mask + [1] * len(turn)
+        result = env.step(episode, text)
+        if result.done:
+            if episode.status != "ok":
+                raise RuntimeError(f"scripted demonstration failed on {task.task_id}: {episode.status}")
+            return tokens, mask
+        block = chat.continuation(result.messages)
+        tokens, mask = tokens + block, mask + [0] * len(block)
+        messages = messages + [{"role": "assistant", "content": text}] + result.messages
+    raise RuntimeError(f"scripted demonstration did not end on {task.task_id}")
+
+
+def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
+                      batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print):
+    """Cross-entropy on the demonstrations' assistant tokens; returns the new parameters."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
+    T = bucket(max(len(t) for t, _ in demos), 64)
+    tokens = np.zeros((len(demos), T), np.int32)
+    attention = np.zeros_like(tokens)
+    loss_mask = np.zeros((len(demos), T), np.float32)
+    for i, (t, m) in enumerate(demos):
+        tokens[i, :len(t)], attention[i, :len(t)], loss_mask[i, :len(m)] = t, 1, m
+
+    def loss_fn(params, tok, att, mask):
+        logp, _ = sequence_logp(model_cfg, params, tok, att, 1.0, 512)
+        return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    @jax.jit
+    def step(params, opt_state, tok, att, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for i in range(steps):
+        idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
+        params, opt_state, loss = step(params, opt_state, tokens[idx], attention[idx], loss_mask[idx])
+        losses.append(float(loss))
+        if log and (i + 1) % log_every == 0:
+            log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
+    return params, losses
