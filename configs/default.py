@@ -47,8 +47,8 @@ def get_config():
     c.search.encoder = "tfidf"  # tfidf | minilm | a sentence-transformers directory
     c.search.tfidf_dim = 32
     c.search.index_type = "flat"
-    c.search.top_k = 5
-    c.search.max_doc_chars = 120
+    c.search.top_k = 3
+    c.search.max_doc_chars = 60
     c.search.cache_dir = ""
     c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (scripts/serve_tools.py)
 
@@ -56,12 +56,13 @@ def get_config():
     c.env.max_turns = 4
     c.env.answer_fallback = "fusion"
     c.env.max_answer_docs = 10
+    c.env.tool_prompt = "compact"  # "schemas" (Qwen's full JSON schemas) for real checkpoints
 
     c.rollout = config_dict.ConfigDict()
     c.rollout.group_size = 8
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
-    c.rollout.max_len = 1024  # context tokens per episode
+    c.rollout.max_len = 512  # context tokens per episode
     c.rollout.max_tokens_per_turn = 48
     c.rollout.decode_chunk = 48
     c.rollout.tool_workers = 4  # 0: tools inline (a fully deterministic schedule)

@@ -84,7 +84,7 @@ def build_environment(config, collections):
         index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
         cache_dir=config.search.cache_dir or None, remote_url=config.search.remote_url or None)
     env_cfg = SearchEnvConfig(max_turns=config.env.max_turns, answer_fallback=config.env.answer_fallback,
-                              max_answer_docs=config.env.max_answer_docs)
+                              max_answer_docs=config.env.max_answer_docs, tool_prompt=config.env.tool_prompt)
     return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
 
 

@@ -67,8 +67,13 @@ class SearchEnvConfig:
     answer_fallback: str = "last_search"  # "last_search" | "fusion" | "none"
     max_answer_docs: int = 10
     instructions: str = DEFAULT_INSTRUCTIONS
+    # "schemas": the tools' JSON schemas in <tools></tools>, as Qwen chat templates render them;
+    # "compact": one line per tool (the tiny default model, to keep its context short)
+    tool_prompt: str = "schemas"
 
     def __post_init__(self):
+        if self.tool_prompt not in ("schemas", "compact"):
+            raise ValueError(f"env.tool_prompt must be 'schemas' or 'compact', got {self.tool_prompt!r}")
         if self.answer_fallback not in ("last_search", "fusion", "none"):
             raise ValueError(f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}")
         if self.max_turns < 1:
@@ -124,6 +129,9 @@ class SearchEnvironment(Environment):
         self.known_doc_ids = known_doc_ids
 
     def system_prompt(self) -> str:
+        if self.config.tool_prompt == "compact":
+            tools = "; ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in self.tools.values())
+            return f"{self.config.instructions}\nTools: {tools}. Call one as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>."
         schemas = "\n".join(json.dumps(t.schema()) for t in self.tools.values())
         return self.config.instructions + TOOLS_TEMPLATE.format(schemas=schemas)
 
