@@ -204,6 +204,7 @@ class Run:
         self.meta = {"rl_step": 0, "before": None, "staleness": {"dropped_groups": 0, "max_seen": 0}}
         self.writer = None
         self.stop_requested = False
+        self.last_collect_seconds = 0.0
 
     # -------------------------------------------------------------- checkpoints
 
@@ -248,7 +249,9 @@ class Run:
                 for p, task in enumerate(self.step_tasks(step)) for g in range(G)]
 
     def collect(self, step: int):
+        start = time.perf_counter()
         trajectories = self.collector.run(self.requests(step))
+        self.last_collect_seconds = time.perf_counter() - start
         G = self.config.rollout.group_size
         return [trajectories[i:i + G] for i in range(0, len(trajectories), G)]
 
@@ -326,6 +329,8 @@ class Run:
                 if rollouts is not None:
                     rollouts.publish(step + 1)
                 metrics["time/collect_wait_s"] = t_collect
+                metrics["throughput/sampled_tokens_per_s"] = metrics.get("throughput/sampled_tokens", 0.0) / max(
+                    self.last_collect_seconds, 1e-9)
                 metrics["time/step_s"] = time.perf_counter() - t0
                 if config.eval.every_steps and (step + 1) % config.eval.every_steps == 0 and step + 1 < self.total_steps:
                     for k, v in _flatten(self.evaluate(self.val_tasks, f"step_{step + 1:06d}"), "eval").items():
