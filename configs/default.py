@@ -16,7 +16,7 @@ def get_config():
     c.max_epochs = 1
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
-    c.max_steps = 24  # 0: max_epochs * (train tasks // global_batch_size)
+    c.max_steps = 32  # 0: max_epochs * (train tasks // global_batch_size)
 
     c.model = config_dict.ConfigDict()
     c.model.checkpoint = ""  # a local HF directory; empty: the tiny model below, randomly initialised
@@ -91,14 +91,14 @@ def get_config():
     c.rl.logprob_chunk = 512
 
     c.optim = config_dict.ConfigDict()
-    c.optim.learning_rate = 2e-4
+    c.optim.learning_rate = 3e-4
     c.optim.schedule = "constant"
     c.optim.warmup_steps = 0
     c.optim.grad_clip = 1.0
     c.optim.weight_decay = 0.0
 
     c.warmup = config_dict.ConfigDict()
-    c.warmup.steps = 300  # 0: no supervised warm-up (real checkpoints)
+    c.warmup.steps = 1200  # 0: no supervised warm-up (real checkpoints)
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
 
