@@ -118,6 +118,7 @@ def test_slots_refill_and_tools_overlap_generation(chat, model):
     assert max(decode_during_tools) > 0  # device calls happened while tool calls were running
 
 
+@pytest.mark.slow
 def test_inline_tools_are_deterministic(chat, model):
     cfg, params = model
     run = lambda: Collector(cfg, chat, EchoEnv(turns=2), CollectorConfig(slots=3, max_len=512, max_tokens_per_turn=10,  # noqa: E731
@@ -187,6 +188,7 @@ def test_async_rollouts_never_run_ahead_of_the_staleness_bound(max_staleness):
         assert any(step - version > 0 for step, version in started.items())  # it did overlap
 
 
+@pytest.mark.slow
 def test_on_policy_first_minibatch_ratio_is_one(chat, model):
     cfg, params = model
     collector = Collector(cfg, chat, EchoEnv(turns=2), CollectorConfig(slots=4, max_len=256, max_tokens_per_turn=10,

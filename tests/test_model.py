@@ -203,6 +203,7 @@ def test_sharded_forward_and_grad_match_single_device():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), sh_grad, ref_grad)
 
 
+@pytest.mark.slow
 def test_init_params_on_mesh_is_partitioned():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     params = init_params(cfg, jax.random.PRNGKey(0), mesh=sharding.make_mesh((2, 2, 2)))
@@ -229,6 +230,7 @@ def test_program_size_does_not_grow_with_depth():
     assert size(2) == size(12)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradient():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
     params = init_params(_tiny(3), jax.random.PRNGKey(0))
