@@ -1,0 +1,39 @@
+"""Evaluate: ``python -m experiments.evaluate --config=configs/default.py --checkpoint=workdirs/default --out=DIR``.
+
+Without ``--checkpoint`` the base policy is evaluated (the untrained tiny model, or the HF
+checkpoint of a real config). ``--samples=k`` draws k samples per query (at the rollout
+temperature) for pass@k and max@k; ``--compare=OTHER_OUT`` adds a base -> fine-tuned table.
+"""
+
+import logging
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from mtrl_jax.evaluate import run_evaluation
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "ml_collections config file", lock_config=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training work directory (its latest checkpoint is used)")
+_OUT = flags.DEFINE_string("out", "workdirs/eval", "where eval.json, eval.md and the run files go")
+_SAMPLES = flags.DEFINE_integer("samples", 1, "samples per query (k of pass@k and max@k)")
+_TAU = flags.DEFINE_float("tau", 0.5, "nDCG@10 threshold of a success for pass@k")
+_COMPARE = flags.DEFINE_string("compare", None, "another evaluation output directory to compare against")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("mtrl_jax").setLevel(logging.INFO)
+    results = run_evaluation(_CONFIG.value, _OUT.value, _CHECKPOINT.value, _SAMPLES.value, _TAU.value, _COMPARE.value)
+    from pathlib import Path
+
+    print((Path(_OUT.value) / "eval.md").read_text())
+    if _COMPARE.value:
+        print((Path(_OUT.value) / "compare.md").read_text())
+    return results
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,104 @@
+"""Evaluation metrics against hand-computed trajectories; the evaluation job and the ablation runner."""
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mtrl_jax.evaluate import comparison_table, max_at_k, pass_at_k, summarize
+from mtrl_jax.rollout.trajectory import Trajectory
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _traj(reward, status="ok", turns=2, calls=None):
+    t = Trajectory("t", 0, 0)
+    t.reward, t.status, t.turns = reward, status, [{}] * turns
+    t.counters = {f"tool_calls/{k}": v for k, v in (calls or {}).items()}
+    return t
+
+
+def test_summarize_hand_computed():
+    # two queries x 3 samples; failures count 0 in nDCG
+    trajs = [_traj(0.9, calls={"bm25_search": 1}), _traj(-1.0, "max_turns", 4, {"bm25_search": 4}), _traj(0.3, calls={"vector_search": 1}),
+             _traj(0.0), _traj(-1.0, "turn_token_limit", 1), _traj(0.6, turns=3, calls={"bm25_search": 1, "vector_search": 1})]
+    m = summarize(trajs, samples_per_task=3, k=2, tau=0.5)
+    assert m["queries"] == 2 and m["samples"] == 6
+    assert m["ndcg@10"] == pytest.approx((0.9 + 0 + 0.3 + 0 + 0 + 0.6) / 6)
+    assert m["failure_rate"] == pytest.approx(2 / 6)
+    assert m["failure_rate_by_reason"] == {"max_turns": pytest.approx(1 / 6), "turn_token_limit": pytest.approx(1 / 6)}
+    assert m["mean_turns"] == pytest.approx((2 + 4 + 2 + 2 + 1 + 3) / 6)
+    assert m["tool_calls_per_query"] == {"bm25_search": pytest.approx(6 / 6), "vector_search": pytest.approx(2 / 6)}
+    # pass@2 at tau 0.5: query 1 has 1 success of 3 -> 1 - C(2,2)/C(3,2) = 2/3; query 2 has 1 of 3 -> 2/3
+    assert m["pass@2"] == pytest.approx(2 / 3)
+    # max@2: query 1 scores {0.9, 0, 0.3}: pairs' maxima 0.9, 0.9, 0.3 -> 0.7; query 2 {0, 0, 0.6}: 0, 0.6, 0.6 -> 0.4
+    assert m["max@2"] == pytest.approx((0.7 + 0.4) / 2)
+
+
+def test_pass_and_max_at_k_match_enumeration():
+    rng = np.random.default_rng(0)
+    for n in range(2, 7):
+        values = np.round(rng.uniform(-1, 1, size=n), 2)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(values, k))
+            assert max_at_k(values, k) == pytest.approx(np.mean([max(s) for s in subsets]))
+            c = int((values >= 0.2).sum())
+            assert pass_at_k(n, c, k) == pytest.approx(np.mean([any(v >= 0.2 for v in s) for s in subsets]))
+
+
+def test_comparison_table():
+    table = comparison_table({"syn": {"ndcg@10": 0.4, "failure_rate": 0.1}}, {"syn": {"ndcg@10": 0.5, "failure_rate": 0.0}})
+    assert "| syn | ndcg@10 | 0.4000 | 0.5000 | +0.1000 (+25.0%) |" in table
+    assert "| syn | failure_rate | 0.1000 | 0.0000 | -0.1000 (-100.0%) |" in table
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",
+        "--config.rollout.decode_chunk=8", "--config.model.tiny_layers=1", "--config.rollout_max_concurrency=8"]
+
+
+@pytest.mark.slow
+def test_evaluation_job_is_deterministic_and_compares(tmp_path):
+    def evaluate(out, *extra):
+        cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={out}", "--samples=2", *TINY, *extra]
+        result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    evaluate(tmp_path / "a")
+    out = evaluate(tmp_path / "b", f"--compare={tmp_path / 'a'}")
+    a, b = (json.loads((tmp_path / x / "eval.json").read_text()) for x in "ab")
+    assert a == b  # same seed, same numbers
+    assert (tmp_path / "a/synthetic.run").read_text() == (tmp_path / "b/synthetic.run").read_text()
+    m = a["synthetic"]
+    for key in ("queries", "ndcg@10", "failure_rate", "failure_rate_by_reason", "mean_turns", "tool_calls_per_query", "pass@2", "max@2"):
+        assert key in m
+    assert m["queries"] == 4 and "| synthetic |" in (tmp_path / "a/eval.md").read_text()
+    assert "fine-tuned" in out and "(+0.0%)" in (tmp_path / "b/compare.md").read_text() or "n/a" in (tmp_path / "b/compare.md").read_text()
+
+
+@pytest.mark.slow
+def test_ablation_runner_resumes_and_reports(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.ablate", "--config=configs/default.py", "--grid", "rl.loss=ppo,cispo",
+           "--seeds", "1", "--out", str(tmp_path), "--eval-every", "1", "--config.max_steps=2", "--config.global_batch_size=2",
+           "--config.rollout.group_size=2", "--config.rollout.asynchronous=False", *TINY]
+    first = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    table = (tmp_path / "results.md").read_text()
+    assert "| loss=ppo |" in table and "| loss=cispo |" in table and "±" in table
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [s for s, _ in results["loss=ppo"]["curves"][0]] == [0, 1, 2]
+    assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
+    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("done already") == 2
