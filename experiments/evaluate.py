@@ -26,13 +26,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
-    results = run_evaluation(_CONFIG.value, _OUT.value, _CHECKPOINT.value, _SAMPLES.value, _TAU.value, _COMPARE.value)
+    run_evaluation(_CONFIG.value, _OUT.value, _CHECKPOINT.value, _SAMPLES.value, _TAU.value, _COMPARE.value)
     from pathlib import Path
 
     print((Path(_OUT.value) / "eval.md").read_text())
     if _COMPARE.value:
         print((Path(_OUT.value) / "compare.md").read_text())
-    return results
 
 
 if __name__ == "__main__":
