@@ -93,7 +93,7 @@ def comparison_table(base: dict, tuned: dict, base_label: str = "base", tuned_la
     for name in tuned:
         if name not in base:
             continue
-        for metric in [m for m in tuned[name] if isinstance(tuned[name][m], float) and m in base[name]]:
+        for metric in [m for m in tuned[name] if isinstance(tuned[name][m], float) and m in base[name] and m != "pass_threshold"]:
             b, t = base[name][metric], tuned[name][metric]
             rel = f"{(t - b) / abs(b) * 100:+.1f}%" if b else ("n/a" if t == b else "new")
             lines.append(f"| {name} | {metric} | {b:.4f} | {t:.4f} | {t - b:+.4f} ({rel}) |")
