@@ -354,3 +354,15 @@ def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
     assert bm25["lookup"]["ndcg@10"] > dense["lookup"]["ndcg@10"] + 0.05
     assert dense["describe"]["ndcg@10"] > 1.5 * bm25["describe"]["ndcg@10"]
     assert bm25["multihop"]["ndcg@10"] > dense["multihop"]["ndcg@10"]
+
+
+# ------------------------------------------------------------------ published figures on real collections
+
+
+@pytest.mark.parametrize("name,minimum", [("scifact", 0.66), ("cranfield", 0.35)])
+def test_bm25_reproduces_published_ndcg(shared_data, name, minimum):
+    from mtrl_jax.search.evaluate import evaluate_retrieval
+
+    collection = col.load_beir(shared_data / name)
+    result = evaluate_retrieval(collection, ("bm25",))["bm25"]
+    assert result["ndcg@10"] >= minimum, result["ndcg@10"]
