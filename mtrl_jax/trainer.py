@@ -179,7 +179,7 @@ class Run:
         self.chat = build_chat(config, self.workdir, self.collections, self.env)
         self.mesh = make_mesh(tuple(config.model.mesh_shape))
         self.model_cfg, params = build_model(config, self.chat.vocab_size, self.mesh)
-        P, G = config.global_batch_size, config.rollout.group_size
+        P = config.global_batch_size
         self.steps_per_epoch = max(1, len(self.train_tasks) // P)
         self.total_steps = config.max_steps or config.max_epochs * self.steps_per_epoch
         self.total_steps = min(self.total_steps, config.max_epochs * self.steps_per_epoch)

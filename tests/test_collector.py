@@ -105,7 +105,6 @@ def test_slots_refill_and_tools_overlap_generation(chat, model):
     cfg, params = model
     env = EchoEnv(turns=2, delay=0.3)
     decode_during_tools = []
-    original = None
 
     def source():
         decode_during_tools.append(env.active_tools)

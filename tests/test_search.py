@@ -2,14 +2,13 @@
 
 import io
 import json
-import threading
 
 import numpy as np
 import pytest
 import rank_bm25
 
 from mtrl_jax.data import collection as col
-from mtrl_jax.data.collection import Collection, DataError, Document, Task
+from mtrl_jax.data.collection import DataError, Task
 from mtrl_jax.data.synthetic import make_synthetic_collection, query_type
 from mtrl_jax.rollout.env import Tool, ToolOutput, run_text_episode
 from mtrl_jax.search import metrics

@@ -98,7 +98,6 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
     order = rng.permutation(len(docs))  # interleave the kinds of document; ids stay stable
     docs = [docs[i] for i in order]
 
-    by_ident = {ident: doc_id for doc_id, ident, *_ in parts}
     mentions: dict[str, list[str]] = {}
     for doc_id, _, part in projects:
         mentions.setdefault(parts[part][1], []).append(doc_id)

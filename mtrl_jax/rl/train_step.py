@@ -10,8 +10,7 @@ parameters before the update (or taken from the sampler, ``old_logp="behaviour"`
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,7 @@ import faiss
 import numpy as np
 
 from mtrl_jax.data.collection import Collection
-from mtrl_jax.search.bm25 import BM25Index, top_k
+from mtrl_jax.search.bm25 import BM25Index
 from mtrl_jax.search.encoders import Encoder
 from mtrl_jax.search.text import Analyzer
 
@@ -109,5 +109,3 @@ class FusionRetriever:
         rankings = [[d for d, _ in r.search(query, self.depth)] for r in self.retrievers]
         return reciprocal_rank_fusion(rankings, self.rrf_k, depth=k)
 
-
-__all__ = ["BM25Retriever", "DenseRetriever", "FusionRetriever", "reciprocal_rank_fusion", "top_k"]
