@@ -145,5 +145,6 @@ def run_evaluation(config, out_dir, checkpoint: str | None = None, samples: int 
     if compare:
         base = json.loads((pathlib.Path(compare) / "eval.json").read_text())
         (out / "compare.md").write_text(comparison_table(base, results, f"base ({compare})", f"fine-tuned ({out})"))
-    collector.close()
+    for c in (collector, run.collector, run.eval_collector):  # their tool thread pools
+        c.close()
     return results

@@ -138,19 +138,20 @@ class Updater:
                   "behav_logp": batch.behav_logp, "old_logp": old_logp, "adv": adv}
         if cfg.objective.kl_coef:
             arrays["ref_logp"] = self.token_logp(ref_params, batch)[0]
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}  # one device-to-host copy, not one per mini-batch
         mask = batch.loss_mask
-        behav_dev = float(np.max(np.abs(np.asarray(old_logp) - batch.behav_logp) * mask)) if mask.any() else 0.0
+        behav_dev = float(np.max(np.abs(arrays["old_logp"] - batch.behav_logp) * mask)) if mask.any() else 0.0
         history = []
         rng = np.random.default_rng(seed)
         for _ in range(cfg.update_epochs):
             order = rng.permutation(B) if cfg.mini_batches > 1 else np.arange(B)
             for part in np.split(order, cfg.mini_batches):
-                mb = {k: jnp.asarray(np.asarray(v)[part]) for k, v in arrays.items()}
+                mb = {k: jnp.asarray(v[part]) for k, v in arrays.items()}
                 state, metrics = self._step(state, mb)
                 history.append(metrics)
         metrics = {k: float(np.mean([np.asarray(m[k]) for m in history])) for k in history[0]}
         metrics["first_minibatch_ratio_max_dev"] = float(history[0]["ratio_max_dev"])
         metrics["behav_logp_max_abs_dev"] = behav_dev
-        metrics["advantage_mean"] = float(np.mean(np.asarray(adv)))
-        metrics["advantage_abs_mean"] = float(np.mean(np.abs(np.asarray(adv))))
+        metrics["advantage_mean"] = float(np.mean(arrays["adv"]))
+        metrics["advantage_abs_mean"] = float(np.mean(np.abs(arrays["adv"])))
         return state, metrics
