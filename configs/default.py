@@ -101,6 +101,8 @@ def get_config():
     c.warmup.steps = 1200  # 0: no supervised warm-up (real checkpoints)
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
+    c.warmup.augment = 0  # extra demonstrations per question with its identifiers randomised
+    c.warmup.teacher_tools = ""  # TOOL:WEIGHT,... the scripted teacher's tool choice ("": uniform)
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

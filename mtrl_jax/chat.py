@@ -91,11 +91,16 @@ class ChatFormat:
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
-    """A small byte-level BPE tokenizer with the ChatML special tokens (the embedded default's)."""
+    """A small byte-level BPE tokenizer with the ChatML special tokens (the embedded default's).
+
+    Digits are split one per token, as Qwen's tokenizers do: numbers the model has never seen
+    (part identifiers, document ids) are then copied digit by digit instead of as rare merged
+    tokens whose embeddings barely trained."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, IM_START, IM_END],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

@@ -34,7 +34,7 @@ from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater, make_optim
 from mtrl_jax.rollout.collector import AsyncRollouts, Collector, CollectorConfig, EpisodeRequest, filter_stale
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import EnvironmentRouter, SearchEnvConfig
-from mtrl_jax.warmup import demonstration_tokens, supervised_warmup, teacher_turns
+from mtrl_jax.warmup import augment_identifiers, demonstration_tokens, parse_tool_weights, supervised_warmup, teacher_turns
 
 log = logging.getLogger("mtrl_jax")
 
@@ -277,10 +277,16 @@ class Run:
     def warmup(self):
         cfg = self.config.warmup
         rng = np.random.default_rng(self.config.seed)
+        tools = _csv(self.config.search.tools)
+        probs = parse_tool_weights(cfg.teacher_tools, tools)
         demos = []
         for task in self.train_tasks:
-            policy = teacher_turns(rng, _csv(self.config.search.tools))
-            demos.append(demonstration_tokens(self.chat, self.env, task, policy))
+            variants = [task] + [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}",
+                                                     query=augment_identifiers(task.query, rng), qrels={})
+                                 for i in range(cfg.augment) if any(ch.isdigit() for ch in task.query)]
+            for variant in variants:
+                policy = teacher_turns(rng, tools, probs)
+                demos.append(demonstration_tokens(self.chat, self.env, variant, policy))
         log.info("warm-up on %d scripted demonstrations for %d steps", len(demos), cfg.steps)
         params, losses = supervised_warmup(self.model_cfg, self.state.params, demos, cfg.steps, cfg.batch_size,
                                            cfg.learning_rate, seed=self.config.seed, log=log.info)

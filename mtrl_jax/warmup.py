@@ -5,12 +5,16 @@ A real run starts from an instruction-tuned checkpoint that already knows the pr
 stands in for that. The scripted teacher calls a *random* search tool once with the question
 verbatim, then answers without ids (so the environment's answer fallback ranks the results).
 It never learns which tool suits which question or when a second search helps: RL has to.
+
+A tiny model trained on a few hundred questions memorises their identifiers rather than learning
+to copy them; ``augment_identifiers`` adds copies of each question whose identifier-like words
+(those with a digit) are rewritten with random characters, so copying is what generalises.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +28,54 @@ from mtrl_jax.rl.train_step import sequence_logp
 from mtrl_jax.rollout.env import Environment
 
 
-def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str]):
-    """A scripted policy: one random-tool search with the question verbatim, then an empty answer."""
-    tool = tool_names[rng.integers(len(tool_names))]
+def parse_tool_weights(text: str, tool_names: Sequence[str]) -> np.ndarray:
+    """``"vector_search:3,bm25_search:1"`` -> probabilities in ``tool_names`` order; "" -> uniform.
+
+    Tools not named get weight 0; naming an unknown tool or a negative weight is an error."""
+    if not text.strip():
+        return np.full(len(tool_names), 1.0 / len(tool_names))
+    weights = dict.fromkeys(tool_names, 0.0)
+    for item in text.split(","):
+        name, sep, value = item.strip().partition(":")
+        if not sep or name not in weights:
+            raise ValueError(f"warmup.teacher_tools: {item.strip()!r} must be TOOL:WEIGHT with TOOL one of {list(tool_names)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"warmup.teacher_tools: {item.strip()!r}: weight {value!r} is not a number") from None
+        if weights[name] < 0:
+            raise ValueError(f"warmup.teacher_tools: {item.strip()!r}: weights must be >= 0")
+    w = np.array([weights[n] for n in tool_names])
+    if w.sum() <= 0:
+        raise ValueError(f"warmup.teacher_tools: {text!r} gives every tool weight 0")
+    return w / w.sum()
+
+
+def augment_identifiers(text: str, rng: np.random.Generator) -> str:
+    """Rewrite every character of each word that contains a digit with a random one of its class
+    (upper-case letter, lower-case letter, digit); other characters and words are kept."""
+    def scramble(word: str) -> str:
+        if not any(ch.isdigit() for ch in word):
+            return word
+        out = []
+        for ch in word:
+            if ch.isdigit():
+                out.append(str(rng.integers(10)))
+            elif "A" <= ch <= "Z":
+                out.append(chr(ord("A") + rng.integers(26)))
+            elif "a" <= ch <= "z":
+                out.append(chr(ord("a") + rng.integers(26)))
+            else:
+                out.append(ch)
+        return "".join(out)
+
+    return " ".join(scramble(w) for w in text.split(" "))
+
+
+def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None):
+    """A scripted policy: one search with the question verbatim, then an empty answer. The tool is
+    drawn from ``probs`` (uniform by default) whatever the question."""
+    tool = tool_names[rng.choice(len(tool_names), p=probs)]
 
     def policy(messages):
         if messages[-1]["role"] == "user":
