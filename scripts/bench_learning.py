@@ -5,7 +5,9 @@
 Each seed is a full `experiments.run` of configs/default.py (synthetic collection, tokenizer,
 warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
 so the script resumes. The baseline, measured in the same runs, is the warmed-up policy before RL.
-Extra `--config.*` overrides are passed through.
+Extra `--config.*` overrides are passed through. It also prints, from the runs' evaluation
+trajectories, nDCG@10 and the share of each tool's first call per query type (the part of the task
+id before its last "-", e.g. `lookup`), before and after RL: what RL changed, not only how much.
 """
 
 import argparse
@@ -17,6 +19,20 @@ import sys
 import numpy as np
 
 KEYS = ("ndcg@10", "failure_rate", "mean_turns")
+
+
+def by_query_type(path: pathlib.Path) -> dict:
+    """{type: [nDCG@10 (failures 0), {tool: share of first calls}]} of an evaluation trajectory file."""
+    out: dict = {}
+    for line in path.read_text().splitlines():
+        t = json.loads(line)
+        kind = t["task_id"].split("/")[-1].rsplit("-", 1)[0]
+        score, tools = out.setdefault(kind, [[], {}])
+        score.append(t["reward"] if t["status"] == "ok" else 0.0)
+        calls = [c["name"] for turn in t["turns"] for c in turn["calls"] if c["name"]]
+        first = calls[0] if calls else "(none)"
+        tools[first] = tools.get(first, 0) + 1
+    return {k: [float(np.mean(s)), {n: c / len(s) for n, c in sorted(tools.items())}] for k, (s, tools) in sorted(out.items())}
 
 
 def main():
@@ -45,6 +61,24 @@ def main():
         delta = after - before
         print(f"{key:>13}: before {before.mean():.4f} +- {before.std():.4f}   after {after.mean():.4f} +- {after.std():.4f}   "
               f"change {delta.mean():+.4f} +- {delta.std():.4f}")
+    print("\nby query type (mean over seeds): nDCG@10 and first tool call shares, before -> after")
+    types: dict = {}
+    for seed in summaries:
+        for label in ("before", "after"):
+            path = out / f"seed_{seed}" / "trajectories" / f"eval_{label}.jsonl"
+            if path.exists():
+                for kind, (score, tools) in by_query_type(path).items():
+                    entry = types.setdefault(kind, {"before": ([], []), "after": ([], [])})[label]
+                    entry[0].append(score)
+                    entry[1].append(tools)
+    for kind, entry in types.items():
+        cells = []
+        for label in ("before", "after"):
+            scores, per_seed = entry[label]
+            names = sorted({n for tools in per_seed for n in tools})
+            shares = ", ".join(f"{n} {np.mean([tools.get(n, 0.0) for tools in per_seed]):.2f}" for n in names)
+            cells.append(f"{np.mean(scores):.3f} ({shares})" if scores else "n/a")
+        print(f"{kind:>13}: {cells[0]} -> {cells[1]}")
     gain = np.mean([s["after"]["ndcg@10"] - s["before"]["ndcg@10"] for s in summaries.values()])
     worse = np.mean([s["after"]["failure_rate"] - s["before"]["failure_rate"] for s in summaries.values()])
     print(f"RL beats the teacher by >= 0.10 nDCG@10 with failure rate not higher: {gain >= 0.10 and worse <= 0}")
