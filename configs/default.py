@@ -81,7 +81,7 @@ def get_config():
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
-    c.rl.kl_coef = 0.0
+    c.rl.kl_coef = 0.1  # k3 KL to the policy RL started from (keeps the warmed-up copying intact)
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1
@@ -101,8 +101,9 @@ def get_config():
     c.warmup.steps = 1200  # 0: no supervised warm-up (real checkpoints)
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
-    c.warmup.augment = 0  # extra demonstrations per question with its identifiers randomised
-    c.warmup.teacher_tools = ""  # TOOL:WEIGHT,... the scripted teacher's tool choice ("": uniform)
+    c.warmup.augment = 3  # extra demonstrations per question with its identifiers randomised
+    # TOOL:WEIGHT,... the scripted teacher's tool choice, whatever the question ("": uniform)
+    c.warmup.teacher_tools = "vector_search:3,bm25_search:1"
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL
