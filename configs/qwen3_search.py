@@ -41,6 +41,7 @@ def get_config():
     c.rl.length_bucket = 512
     c.rl.mini_batches = 4
     c.rl.micro_batches = 4
+    c.rl.kl_coef = 0.0  # no reference copy of the parameters; set e.g. 0.001 for a KL anchor
     c.optim.learning_rate = 1e-6
     c.optim.warmup_steps = 10
     c.warmup.steps = 0  # an instruction-tuned checkpoint already knows the protocol
