@@ -233,6 +233,20 @@ class Run:
         self.holder.publish(self.state.params, self.meta["rl_step"])
         return True
 
+    def save_reference(self):
+        """The KL reference (the policy RL starts from), written once, before the first checkpoint."""
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save((self.workdir / "reference").absolute(), self.state.params, force=True)
+        checkpointer.wait_until_finished()
+
+    def restore_reference(self):
+        path = (self.workdir / "reference").absolute()
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: rl.kl_coef is set but this run has no KL reference policy "
+                                    "(it started with rl.kl_coef=0); resume it with rl.kl_coef=0 or use a new workdir")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state.params)
+        return ocp.StandardCheckpointer().restore(path, abstract)
+
     # -------------------------------------------------------------- pieces of the loop
 
     def step_tasks(self, step: int) -> list:
@@ -308,11 +322,11 @@ class Run:
                 self.warmup()
             self.meta["before"] = self.evaluate(self.val_tasks, "before")
             _print_metrics("before RL", self.meta["before"])
+            if config.rl.kl_coef:
+                self.save_reference()
             self.save()
-        if config.rl.kl_coef:
-            self.ref_params = jax.tree.map(jnp.copy, self.state.params)  # the policy RL started from
-            if resumed:
-                log.warning("kl reference: resumed runs use the restored parameters as the reference")
+        if config.rl.kl_coef:  # the policy RL started from
+            self.ref_params = self.restore_reference() if resumed else jax.tree.map(jnp.copy, self.state.params)
         self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         rollouts = None

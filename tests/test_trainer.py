@@ -75,13 +75,15 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
     assert meta_a["cursor"] == meta_b["cursor"] == {"epoch": 0, "index": 6, "shuffle_seed": 0}
     assert meta_a["staleness"] == meta_b["staleness"]
+    # the default's KL reference is written once and restored on resume (else the runs would differ)
+    assert (tmp_path / "killed" / "reference").is_dir()
     # observability: scalars, trajectory records, the viewer
     records = [json.loads(line) for line in (tmp_path / "straight/trajectories/step_000002.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["param_versions"] == [1] for r in records if r["num_sampled_tokens"])
     assert {"text", "calls", "stop_reason", "latency_s"} <= set(records[0]["turns"][0])
     metrics = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "reward/ndcg@10", "episodes/failure_rate", "episodes/mean_turns", "train/loss",
-                "train/clipfrac", "train/approx_kl", "train/entropy", "train/grad_norm", "staleness/mean",
+                "train/clipfrac", "train/approx_kl", "train/kl", "train/entropy", "train/grad_norm", "staleness/mean",
                 "throughput/trained_tokens_per_s", "throughput/sampled_tokens_per_s"):
         assert key in metrics[-1], key
     assert list((tmp_path / "straight/tensorboard").glob("events.out.tfevents.*"))
