@@ -147,3 +147,19 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]
     assert "[after RL] validation" in out
+
+
+def test_resuming_with_kl_but_no_reference_is_an_error(tmp_path):
+    from configs import default
+    from mtrl_jax.trainer import Run
+
+    config = default.get_config()
+    config.data.max_eval_tasks, config.rollout_max_concurrency = 2, 4
+    run = Run(config, tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"reference: rl.kl_coef is set but this run has no KL reference"):
+        run.restore_reference()
+    run.save_reference()
+    restored = run.restore_reference()
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), restored, run.state.params)
+    run.collector.close()
+    run.eval_collector.close()
