@@ -34,7 +34,7 @@ from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater, make_optim
 from mtrl_jax.rollout.collector import AsyncRollouts, Collector, CollectorConfig, EpisodeRequest, filter_stale
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import EnvironmentRouter, SearchEnvConfig
-from mtrl_jax.warmup import augment_identifiers, demonstration_tokens, parse_tool_weights, supervised_warmup, teacher_turns
+from mtrl_jax.warmup import augmented_tasks, demonstration_tokens, parse_tool_weights, supervised_warmup, teacher_turns
 
 log = logging.getLogger("mtrl_jax")
 
@@ -295,10 +295,7 @@ class Run:
         probs = parse_tool_weights(cfg.teacher_tools, tools)
         demos = []
         for task in self.train_tasks:
-            variants = [task] + [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}",
-                                                     query=augment_identifiers(task.query, rng), qrels={})
-                                 for i in range(cfg.augment) if any(ch.isdigit() for ch in task.query)]
-            for variant in variants:
+            for variant in [task] + augmented_tasks(task, cfg.augment, rng):
                 policy = teacher_turns(rng, tools, probs)
                 demos.append(demonstration_tokens(self.chat, self.env, variant, policy))
         log.info("warm-up on %d scripted demonstrations for %d steps", len(demos), cfg.steps)

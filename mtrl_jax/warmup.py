@@ -13,6 +13,7 @@ to copy them; ``augment_identifiers`` adds copies of each question whose identif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional, Sequence
 
@@ -51,11 +52,15 @@ def parse_tool_weights(text: str, tool_names: Sequence[str]) -> np.ndarray:
     return w / w.sum()
 
 
+def _has_digit(text: str) -> bool:
+    return any(ch.isdigit() for ch in text)
+
+
 def augment_identifiers(text: str, rng: np.random.Generator) -> str:
     """Rewrite every character of each word that contains a digit with a random one of its class
     (upper-case letter, lower-case letter, digit); other characters and words are kept."""
     def scramble(word: str) -> str:
-        if not any(ch.isdigit() for ch in word):
+        if not _has_digit(word):
             return word
         out = []
         for ch in word:
@@ -70,6 +75,15 @@ def augment_identifiers(text: str, rng: np.random.Generator) -> str:
         return "".join(out)
 
     return " ".join(scramble(w) for w in text.split(" "))
+
+
+def augmented_tasks(task, copies: int, rng: np.random.Generator) -> list:
+    """``copies`` variants of ``task`` with its identifiers randomised (ids ``<task_id>#aug<i>``, no
+    qrels: only the demonstration matters); none when the question has no identifier."""
+    if not _has_digit(task.query):
+        return []
+    return [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}", query=augment_identifiers(task.query, rng), qrels={})
+            for i in range(copies)]
 
 
 def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None):

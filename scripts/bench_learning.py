@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 
+from mtrl_jax.data.synthetic import query_type_of_id
+
 KEYS = ("ndcg@10", "failure_rate", "mean_turns")
 
 
@@ -26,7 +28,7 @@ def by_query_type(path: pathlib.Path) -> dict:
     out: dict = {}
     for line in path.read_text().splitlines():
         t = json.loads(line)
-        kind = t["task_id"].split("/")[-1].rsplit("-", 1)[0]
+        kind = query_type_of_id(t["task_id"])
         score, tools = out.setdefault(kind, [[], {}])
         score.append(t["reward"] if t["status"] == "ok" else 0.0)
         calls = [c["name"] for turn in t["turns"] for c in turn["calls"] if c["name"]]

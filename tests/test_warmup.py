@@ -10,7 +10,7 @@ from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Collection, Document, Task
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
-from mtrl_jax.warmup import augment_identifiers, demonstration_tokens, parse_tool_weights, teacher_turns
+from mtrl_jax.warmup import augment_identifiers, augmented_tasks, demonstration_tokens, parse_tool_weights, teacher_turns
 
 TOOLS = ["bm25_search", "vector_search"]
 
@@ -50,6 +50,10 @@ def test_augment_identifiers_rewrites_only_words_with_digits():
         seen.add(out)
     assert len(seen) == 50
     assert augment_identifiers("stainless tap for naval use", rng) == "stainless tap for naval use"
+    variants = augmented_tasks(Task("c/lookup-3", "KX-4821 datasheet", {"d1": 2}, "c"), 2, rng)
+    assert [v.task_id for v in variants] == ["c/lookup-3#aug0", "c/lookup-3#aug1"]
+    assert all(v.qrels == {} and v.query.endswith(" datasheet") and v.query != "KX-4821 datasheet" for v in variants)
+    assert augmented_tasks(Task("c/describe-0", "stainless tap for naval use", {}, "c"), 2, rng) == []
 
 
 def test_tokenizer_splits_digits_one_per_token():

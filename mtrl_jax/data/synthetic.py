@@ -122,5 +122,10 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
     return Collection(name, docs, tasks)
 
 
+def query_type_of_id(task_id: str) -> str:
+    """``"synthetic/lookup-12"`` -> ``"lookup"``."""
+    return task_id.split("/")[-1].rsplit("-", 1)[0]
+
+
 def query_type(task: Task) -> str:
-    return task.task_id.split("/")[-1].rsplit("-", 1)[0]
+    return query_type_of_id(task.task_id)
