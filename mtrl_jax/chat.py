@@ -21,6 +21,8 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+# Single tokens in Qwen3's vocabulary (added tokens), and so in the tokenizer trained here.
+PROTOCOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 
 @dataclasses.dataclass
@@ -91,7 +93,8 @@ class ChatFormat:
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
-    """A small byte-level BPE tokenizer with the ChatML special tokens (the embedded default's).
+    """A small byte-level BPE tokenizer with the ChatML special tokens and, as in Qwen3's vocabulary,
+    the tool-call tags as single tokens (the embedded default's).
 
     Digits are split one per token, as Qwen's tokenizers do: numbers the model has never seen
     (part identifiers, document ids) are then copied digit by digit instead of as rare merged
@@ -102,7 +105,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, IM_START, IM_END],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, IM_START, IM_END, *PROTOCOL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer

@@ -130,7 +130,7 @@ def _first_turn_end(mask: Sequence[int]) -> int:
     return end
 
 
-def _pack(demos, length_multiple: int = 64):
+def _pack(demos, length_multiple: int = 32):
     T = bucket(max(len(t) for t, _ in demos), length_multiple)
     tokens = np.zeros((len(demos), T), np.int32)
     attention = np.zeros_like(tokens)

@@ -15,7 +15,7 @@ from mtrl_jax.search import metrics
 from mtrl_jax.search.bm25 import BM25Index
 from mtrl_jax.search.build import SearchSettings, make_environment, make_tools
 from mtrl_jax.search.encoders import BertEncoder, TfidfSvdEncoder
-from mtrl_jax.search.env import SearchEnvConfig, parse_answer, parse_tool_calls
+from mtrl_jax.search.env import COMPACT_INSTRUCTIONS, DEFAULT_INSTRUCTIONS, SearchEnvConfig, parse_answer, parse_tool_calls
 from mtrl_jax.search.retrievers import DenseRetriever, reciprocal_rank_fusion
 from mtrl_jax.search.server import make_server, serve_in_background
 from mtrl_jax.search.text import Analyzer
@@ -235,6 +235,18 @@ def test_episode_with_search_then_answer(synthetic):
     assert episode.reward == pytest.approx(metrics.ndcg_at_k([best], task.qrels))
     assert episode.counters["tool_calls/bm25_search"] == 1
     assert episode.turns[0]["calls"][0]["doc_ids"][0] == best and episode.turns[0]["latency_s"] > 0
+
+
+def test_system_prompts(synthetic):
+    schemas = _env(synthetic).system_prompt()
+    assert schemas.startswith(DEFAULT_INSTRUCTIONS) and '"name": "vector_search"' in schemas and "<tools>" in schemas
+    compact = _env(synthetic, tool_prompt="compact").system_prompt()
+    assert compact.startswith(COMPACT_INSTRUCTIONS) and "<tools>" not in compact
+    assert "bm25_search(query, top_k), vector_search(query, top_k)" in compact
+    assert _env(synthetic, tool_prompt="compact", instructions="Be brief.").system_prompt().startswith("Be brief.\nTools: ")
+    assert _env(synthetic, instructions="Be brief.").system_prompt().startswith("Be brief.\n\n# Tools")
+    with pytest.raises(ValueError, match="env.tool_prompt"):
+        SearchEnvConfig(tool_prompt="short")
 
 
 def test_malformed_calls_become_tool_errors_and_are_counted(synthetic):

@@ -63,6 +63,16 @@ def test_tokenizer_splits_digits_one_per_token():
     assert tokenizer.decode(tokenizer.encode("KX-4821 d0667").ids) == "KX-4821 d0667"
 
 
+def test_tokenizer_has_the_tool_tags_as_single_tokens():
+    tokenizer = train_tokenizer(["a search for pumps"] * 50, 300)
+    call = '<tool_call>\n{"name": "bm25_search"}\n</tool_call>'
+    tokens = tokenizer.encode(call, add_special_tokens=False).tokens
+    assert tokens[0] == "<tool_call>" and tokens[-1] == "</tool_call>"
+    assert tokenizer.decode(tokenizer.encode(call, add_special_tokens=False).ids, skip_special_tokens=False) == call
+    response = tokenizer.encode("<tool_response>\nx\n</tool_response>", add_special_tokens=False).tokens
+    assert response[0] == "<tool_response>" and response[-1] == "</tool_response>"
+
+
 def test_demonstration_masks_exactly_the_teacher_turns():
     docs = [Document(f"d{i}", f"title {i}", f"text about KX-48{i:02d} pumps") for i in range(20)]
     task = Task("c/lookup-0", "KX-4805 datasheet", {"d5": 2}, "c")

@@ -33,6 +33,8 @@ DEFAULT_INSTRUCTIONS = (
     "You are a search agent. Use the search tools to find the documents that answer the user's question, "
     "then reply with their ids, best first, as <answer>id1, id2, ...</answer>."
 )
+# The compact prompt's: every token of the system prompt is in every sequence the tiny model trains on.
+COMPACT_INSTRUCTIONS = "Search, then answer with document ids, best first: <answer>id1, id2, ...</answer>."
 
 TOOLS_TEMPLATE = """
 
@@ -66,7 +68,7 @@ class SearchEnvConfig:
     max_turns: int = 4
     answer_fallback: str = "last_search"  # "last_search" | "fusion" | "none"
     max_answer_docs: int = 10
-    instructions: str = DEFAULT_INSTRUCTIONS
+    instructions: Optional[str] = None  # None: DEFAULT_INSTRUCTIONS, or COMPACT_INSTRUCTIONS for "compact"
     # "schemas": the tools' JSON schemas in <tools></tools>, as Qwen chat templates render them;
     # "compact": one line per tool (the tiny default model, to keep its context short)
     tool_prompt: str = "schemas"
@@ -129,11 +131,13 @@ class SearchEnvironment(Environment):
         self.known_doc_ids = known_doc_ids
 
     def system_prompt(self) -> str:
+        instructions = self.config.instructions
         if self.config.tool_prompt == "compact":
-            tools = "; ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in self.tools.values())
-            return f"{self.config.instructions}\nTools: {tools}. Call one as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>."
+            tools = ", ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in self.tools.values())
+            return (f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
+                    f"call as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>")
         schemas = "\n".join(json.dumps(t.schema()) for t in self.tools.values())
-        return self.config.instructions + TOOLS_TEMPLATE.format(schemas=schemas)
+        return (DEFAULT_INSTRUCTIONS if instructions is None else instructions) + TOOLS_TEMPLATE.format(schemas=schemas)
 
     def reset(self, task) -> tuple[Episode, list[dict]]:
         return Episode(task), [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": task.query}]
