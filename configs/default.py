@@ -104,6 +104,8 @@ def get_config():
     c.warmup.augment = 3  # extra demonstrations per question with its identifiers randomised
     # TOOL:WEIGHT,... the scripted teacher's tool choice, whatever the question ("": uniform)
     c.warmup.teacher_tools = "vector_search:3,bm25_search:1"
+    # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
+    c.warmup.teacher_top_k = "1:3,2:1,3:1,5:1"
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -34,7 +34,8 @@ from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater, make_optim
 from mtrl_jax.rollout.collector import AsyncRollouts, Collector, CollectorConfig, EpisodeRequest, filter_stale
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import EnvironmentRouter, SearchEnvConfig
-from mtrl_jax.warmup import augmented_tasks, demonstration_tokens, parse_tool_weights, supervised_warmup, teacher_turns
+from mtrl_jax.warmup import (augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights, question_vocabulary,
+                             supervised_warmup, teacher_turns)
 
 log = logging.getLogger("mtrl_jax")
 
@@ -293,10 +294,12 @@ class Run:
         rng = np.random.default_rng(self.config.seed)
         tools = _csv(self.config.search.tools)
         probs = parse_tool_weights(cfg.teacher_tools, tools)
+        top_ks, top_k_probs = parse_top_k_weights(cfg.teacher_top_k, SearchSettings.max_top_k)
         demos = []
+        vocabulary = question_vocabulary(self.train_tasks)
         for task in self.train_tasks:
-            for variant in [task] + augmented_tasks(task, cfg.augment, rng):
-                policy = teacher_turns(rng, tools, probs)
+            for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
+                policy = teacher_turns(rng, tools, probs, top_ks, top_k_probs)
                 demos.append(demonstration_tokens(self.chat, self.env, variant, policy))
         log.info("warm-up on %d scripted demonstrations for %d steps", len(demos), cfg.steps)
         params, losses = supervised_warmup(self.model_cfg, self.state.params, demos, cfg.steps, cfg.batch_size,

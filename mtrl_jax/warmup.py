@@ -3,12 +3,14 @@ demonstrations of the tool protocol.
 
 A real run starts from an instruction-tuned checkpoint that already knows the protocol; this
 stands in for that. The scripted teacher calls a *random* search tool once with the question
-verbatim, then answers without ids (so the environment's answer fallback ranks the results).
-It never learns which tool suits which question or when a second search helps: RL has to.
+verbatim, asking for a *random* number of results, then answers without ids (so the environment's
+answer fallback ranks the results). It never learns which tool suits which question, how many
+results pay, or when a second search helps: RL has to.
 
-A tiny model trained on a few hundred questions memorises their identifiers rather than learning
-to copy them; ``augment_identifiers`` adds copies of each question whose identifier-like words
-(those with a digit) are rewritten with random characters, so copying is what generalises.
+A tiny model trained on a few hundred questions memorises their words rather than learning to copy
+them; ``augment_question`` adds copies of each question whose identifier-like words (those with a
+digit) are rewritten with random characters and whose other words are often swapped for other
+question words, so copying is what generalises.
 """
 
 from __future__ import annotations
@@ -29,38 +31,75 @@ from mtrl_jax.rl.train_step import sequence_logp
 from mtrl_jax.rollout.env import Environment
 
 
+def _parse_weights(text: str, field: str, what: str, parse_key) -> dict:
+    """``"KEY:WEIGHT,..."`` -> ``{key: weight}`` (keys through ``parse_key``, which raises ValueError)."""
+    weights = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            key = parse_key(key)
+        except ValueError:
+            raise ValueError(f"{field}: {item.strip()!r} must be {what}:WEIGHT") from None
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{field}: {item.strip()!r}: weight {value!r} is not a number") from None
+        if weights[key] < 0:
+            raise ValueError(f"{field}: {item.strip()!r}: weights must be >= 0")
+    if sum(weights.values()) <= 0:
+        raise ValueError(f"{field}: {text!r} gives every choice weight 0")
+    return weights
+
+
 def parse_tool_weights(text: str, tool_names: Sequence[str]) -> np.ndarray:
     """``"vector_search:3,bm25_search:1"`` -> probabilities in ``tool_names`` order; "" -> uniform.
 
     Tools not named get weight 0; naming an unknown tool or a negative weight is an error."""
     if not text.strip():
         return np.full(len(tool_names), 1.0 / len(tool_names))
-    weights = dict.fromkeys(tool_names, 0.0)
-    for item in text.split(","):
-        name, sep, value = item.strip().partition(":")
-        if not sep or name not in weights:
-            raise ValueError(f"warmup.teacher_tools: {item.strip()!r} must be TOOL:WEIGHT with TOOL one of {list(tool_names)}")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            raise ValueError(f"warmup.teacher_tools: {item.strip()!r}: weight {value!r} is not a number") from None
-        if weights[name] < 0:
-            raise ValueError(f"warmup.teacher_tools: {item.strip()!r}: weights must be >= 0")
-    w = np.array([weights[n] for n in tool_names])
-    if w.sum() <= 0:
-        raise ValueError(f"warmup.teacher_tools: {text!r} gives every tool weight 0")
+
+    def tool(name):
+        if name not in tool_names:
+            raise ValueError
+        return name
+
+    weights = _parse_weights(text, "warmup.teacher_tools", f"TOOL (one of {list(tool_names)})", tool)
+    w = np.array([weights.get(n, 0.0) for n in tool_names])
     return w / w.sum()
+
+
+def parse_top_k_weights(text: str, max_top_k: int) -> tuple[list, np.ndarray]:
+    """``"1:4,2:2,10:1"`` -> ``([1, 2, 10], probabilities)``; "" -> ``([None], [1.0])`` (no ``top_k``
+    argument: the tool's default)."""
+    if not text.strip():
+        return [None], np.ones(1)
+
+    def k(value):
+        value = int(value)
+        if not 1 <= value <= max_top_k:
+            raise ValueError
+        return value
+
+    weights = _parse_weights(text, "warmup.teacher_top_k", f"K (an integer in 1..{max_top_k})", k)
+    values = sorted(weights)
+    w = np.array([weights[v] for v in values])
+    return values, w / w.sum()
 
 
 def _has_digit(text: str) -> bool:
     return any(ch.isdigit() for ch in text)
 
 
-def augment_identifiers(text: str, rng: np.random.Generator) -> str:
-    """Rewrite every character of each word that contains a digit with a random one of its class
-    (upper-case letter, lower-case letter, digit); other characters and words are kept."""
+def augment_question(text: str, rng: np.random.Generator, vocabulary: Sequence[str] = (), word_rate: float = 0.5) -> str:
+    """A variant of ``text`` to copy: every character of each word that contains a digit is rewritten
+    with a random one of its class (upper-case letter, lower-case letter, digit); each other word is,
+    with probability ``word_rate``, replaced by a random word of ``vocabulary`` (none if empty)."""
     def scramble(word: str) -> str:
         if not _has_digit(word):
+            if len(vocabulary) and rng.random() < word_rate:
+                return vocabulary[rng.integers(len(vocabulary))]
             return word
         out = []
         for ch in word:
@@ -77,23 +116,32 @@ def augment_identifiers(text: str, rng: np.random.Generator) -> str:
     return " ".join(scramble(w) for w in text.split(" "))
 
 
-def augmented_tasks(task, copies: int, rng: np.random.Generator) -> list:
-    """``copies`` variants of ``task`` with its identifiers randomised (ids ``<task_id>#aug<i>``, no
-    qrels: only the demonstration matters); none when the question has no identifier."""
-    if not _has_digit(task.query):
+def question_vocabulary(tasks) -> list[str]:
+    """The distinct words without digits of the tasks' questions, sorted (deterministic)."""
+    return sorted({w for t in tasks for w in t.query.split(" ") if w and not _has_digit(w)})
+
+
+def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Sequence[str] = ()) -> list:
+    """``copies`` variants of ``task`` rewritten by ``augment_question`` (ids ``<task_id>#aug<i>``, no
+    qrels: only the demonstration matters); none when there is nothing to rewrite."""
+    if not len(vocabulary) and not _has_digit(task.query):
         return []
-    return [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}", query=augment_identifiers(task.query, rng), qrels={})
-            for i in range(copies)]
+    return [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}", query=augment_question(task.query, rng, vocabulary),
+                                qrels={}) for i in range(copies)]
 
 
-def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None):
+def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None,
+                  top_ks: Sequence[Optional[int]] = (None,), top_k_probs: Optional[np.ndarray] = None):
     """A scripted policy: one search with the question verbatim, then an empty answer. The tool is
-    drawn from ``probs`` (uniform by default) whatever the question."""
+    drawn from ``probs`` (uniform by default) and the number of results from ``top_ks`` with
+    ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the question."""
     tool = tool_names[rng.choice(len(tool_names), p=probs)]
+    top_k = top_ks[rng.choice(len(top_ks), p=top_k_probs)]
 
     def policy(messages):
         if messages[-1]["role"] == "user":
-            call = {"name": tool, "arguments": {"query": messages[-1]["content"]}}
+            arguments = {"query": messages[-1]["content"]} | ({} if top_k is None else {"top_k": int(top_k)})
+            call = {"name": tool, "arguments": arguments}
             return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         return "<answer></answer>"
 
@@ -130,7 +178,7 @@ def _first_turn_end(mask: Sequence[int]) -> int:
     return end
 
 
-def _pack(demos, length_multiple: int = 32):
+def _pack(demos, length_multiple: int = 8):
     T = bucket(max(len(t) for t, _ in demos), length_multiple)
     tokens = np.zeros((len(demos), T), np.int32)
     attention = np.zeros_like(tokens)
@@ -142,16 +190,23 @@ def _pack(demos, length_multiple: int = 32):
 
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
-                      full_every: int = 4):
+                      full_every: int = 8, full_bucket: int = 64):
     """Cross-entropy on the demonstrations' assistant tokens; returns ``(params, losses)``.
 
     The first assistant turn (the tool call, which has to copy the question) carries most of what
     there is to learn, and it comes early in the sequence: so every step but one in ``full_every``
     trains on the demonstrations cut after their first turn, which is several times cheaper.
+    Whole demonstrations are grouped by length (multiples of ``full_bucket`` tokens): a full step
+    draws a demonstration and fills its batch from the same group, so a few long tool responses
+    (a large ``top_k``) do not pad every batch to their length.
     """
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
-    full = _pack(demos)
+    groups: dict[int, list[int]] = {}
+    for i, (t, _) in enumerate(demos):
+        groups.setdefault(bucket(len(t), full_bucket), []).append(i)
+    group_of = {i: length for length, members in groups.items() for i in members}
+    full = {length: (np.array(members), _pack([demos[i] for i in members], full_bucket)) for length, members in groups.items()}
     prefixes = _pack([(t[:_first_turn_end(m)], m[:_first_turn_end(m)]) for t, m in demos])
 
     def loss_fn(params, tok, att, mask):
@@ -168,8 +223,12 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     rng = np.random.default_rng(seed)
     losses = []
     for i in range(steps):
-        idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
-        tokens, attention, loss_mask = full if (i + 1) % full_every == 0 else prefixes
+        if (i + 1) % full_every == 0:
+            members, (tokens, attention, loss_mask) = full[group_of[int(rng.integers(len(demos)))]]
+            idx = rng.choice(len(members), size=batch_size, replace=len(members) < batch_size)
+        else:
+            tokens, attention, loss_mask = prefixes
+            idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         params, opt_state, loss = step(params, opt_state, tokens[idx], attention[idx], loss_mask[idx])
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:

@@ -10,7 +10,8 @@ from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Collection, Document, Task
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
-from mtrl_jax.warmup import augment_identifiers, augmented_tasks, demonstration_tokens, parse_tool_weights, teacher_turns
+from mtrl_jax.warmup import (augment_question, augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights,
+                             question_vocabulary, teacher_turns)
 
 TOOLS = ["bm25_search", "vector_search"]
 
@@ -19,10 +20,31 @@ def test_parse_tool_weights():
     np.testing.assert_allclose(parse_tool_weights("", TOOLS), [0.5, 0.5])
     np.testing.assert_allclose(parse_tool_weights("vector_search:3,bm25_search:1", TOOLS), [0.25, 0.75])
     np.testing.assert_allclose(parse_tool_weights("vector_search:1", TOOLS), [0.0, 1.0])
-    for bad, message in [("web_search:1", "web_search:1"), ("bm25_search", "TOOL:WEIGHT"), ("bm25_search:x", "not a number"),
+    for bad, message in [("web_search:1", "web_search:1"), ("bm25_search", ":WEIGHT"), ("bm25_search:x", "not a number"),
                          ("bm25_search:-1", ">= 0"), ("bm25_search:0", "weight 0")]:
         with pytest.raises(ValueError, match=f"warmup.teacher_tools.*{re.escape(message)}"):
             parse_tool_weights(bad, TOOLS)
+
+
+def test_parse_top_k_weights():
+    assert parse_top_k_weights("", 20)[0] == [None]
+    values, probs = parse_top_k_weights("10:1, 1:3,2:1", 20)
+    assert values == [1, 2, 10]
+    np.testing.assert_allclose(probs, [0.6, 0.2, 0.2])
+    for bad, message in [("0:1", "K (an integer in 1..20):WEIGHT"), ("21:1", "'21:1'"), ("x:1", "'x:1'"), ("3", ":WEIGHT"),
+                         ("3:-1", ">= 0"), ("3:0", "weight 0")]:
+        with pytest.raises(ValueError, match=f"warmup.teacher_top_k.*{re.escape(message)}"):
+            parse_top_k_weights(bad, 20)
+
+
+def test_teacher_asks_for_top_k_with_the_given_weights():
+    rng = np.random.default_rng(0)
+    top_ks, probs = parse_top_k_weights("1:3,10:1", 20)
+    asked = []
+    for i in range(2000):
+        text = teacher_turns(rng, TOOLS, None, top_ks, probs)([{"role": "user", "content": "q"}])
+        asked.append(json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["top_k"])
+    assert set(asked) == {1, 10} and abs(asked.count(1) / len(asked) - 0.75) < 0.03
 
 
 def test_teacher_draws_tools_with_the_given_weights_whatever_the_question():
@@ -39,21 +61,32 @@ def test_teacher_draws_tools_with_the_given_weights_whatever_the_question():
     assert abs(names.count("vector_search") / len(names) - 0.75) < 0.03
 
 
-def test_augment_identifiers_rewrites_only_words_with_digits():
+def test_augment_question_scrambles_identifiers_and_swaps_words():
     rng = np.random.default_rng(0)
     seen = set()
     for _ in range(50):
-        out = augment_identifiers("KX-4821 datasheet for project Puma-74", rng)
+        out = augment_question("KX-4821 datasheet for project Puma-74", rng)
         words = out.split(" ")
         assert words[1:4] == ["datasheet", "for", "project"]
         assert re.fullmatch(r"[A-Z]{2}-\d{4}", words[0]) and re.fullmatch(r"[A-Z][a-z]{3}-\d{2}", words[4])
         seen.add(out)
     assert len(seen) == 50
-    assert augment_identifiers("stainless tap for naval use", rng) == "stainless tap for naval use"
+    assert augment_question("stainless tap for naval use", rng) == "stainless tap for naval use"
     variants = augmented_tasks(Task("c/lookup-3", "KX-4821 datasheet", {"d1": 2}, "c"), 2, rng)
     assert [v.task_id for v in variants] == ["c/lookup-3#aug0", "c/lookup-3#aug1"]
     assert all(v.qrels == {} and v.query.endswith(" datasheet") and v.query != "KX-4821 datasheet" for v in variants)
     assert augmented_tasks(Task("c/describe-0", "stainless tap for naval use", {}, "c"), 2, rng) == []
+
+    tasks = [Task("c/describe-0", "stainless tap for naval use", {}, "c"), Task("c/lookup-0", "KX-4821 datasheet", {}, "c")]
+    vocabulary = question_vocabulary(tasks)
+    assert vocabulary == ["datasheet", "for", "naval", "stainless", "tap", "use"]
+    outs = [augment_question("stainless tap for naval use", rng, vocabulary).split(" ") for _ in range(400)]
+    assert all(len(o) == 5 and set(o) <= set(vocabulary) for o in outs)
+    swapped = np.mean([a != b for o in outs for a, b in zip(o, "stainless tap for naval use".split(" "))])
+    assert abs(swapped - 0.5 * 5 / 6) < 0.05  # half the words redrawn, one draw in six gives the same word
+    assert all(o[0] == "stainless" for o in (augment_question("stainless KX-1", rng, vocabulary, 0.0).split(" ") for _ in range(20)))
+    variants = augmented_tasks(tasks[0], 3, rng, vocabulary)
+    assert len(variants) == 3 and all(set(v.query.split(" ")) <= set(vocabulary) for v in variants)
 
 
 def test_tokenizer_splits_digits_one_per_token():
@@ -93,3 +126,23 @@ def test_demonstration_masks_exactly_the_teacher_turns():
     assert len(runs) == 2
     assert runs[0].endswith("<|im_end|>") and '"query": "KX-4805 datasheet"' in runs[0]
     assert runs[1] == "<answer></answer><|im_end|>"
+
+
+def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
+    import jax
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.warmup import supervised_warmup
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, tie_word_embeddings=True)
+    rng = np.random.default_rng(0)
+    demos = []
+    for i in range(40):  # prompt, a first turn to learn (7, 8, 9), a long or short tool block, a last turn (5)
+        prompt = list(rng.integers(10, 60, size=6))
+        block = list(rng.integers(10, 60, size=150 if i % 4 == 0 else 10))
+        demos.append((prompt + [7, 8, 9] + block + [5], [0] * 6 + [1] * 3 + [0] * len(block) + [1]))
+    params, losses = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, steps=80, batch_size=8,
+                                       learning_rate=1e-2, log=None, full_every=2, full_bucket=32)
+    assert len(losses) == 80 and np.isfinite(losses).all()
+    assert np.mean(losses[:4]) > 3.0 and np.mean(losses[-10:]) < 0.1

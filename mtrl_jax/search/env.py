@@ -34,7 +34,7 @@ DEFAULT_INSTRUCTIONS = (
     "then reply with their ids, best first, as <answer>id1, id2, ...</answer>."
 )
 # The compact prompt's: every token of the system prompt is in every sequence the tiny model trains on.
-COMPACT_INSTRUCTIONS = "Search, then answer with document ids, best first: <answer>id1, id2, ...</answer>."
+COMPACT_INSTRUCTIONS = "Search, then answer with document ids, best first: <answer>id1, id2</answer>."
 
 TOOLS_TEMPLATE = """
 
