@@ -81,7 +81,7 @@ def get_config():
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
-    c.rl.kl_coef = 0.1  # k3 KL to the policy RL started from (keeps the warmed-up copying intact)
+    c.rl.kl_coef = 0.3  # k3 KL to the policy RL started from (keeps the warmed-up copying intact)
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1
@@ -93,7 +93,7 @@ def get_config():
     c.optim = config_dict.ConfigDict()
     c.optim.learning_rate = 3e-4
     c.optim.schedule = "constant"
-    c.optim.warmup_steps = 0
+    c.optim.warmup_steps = 8  # optimiser steps (2 per RL step): no sign-like full-size Adam steps at the start
     c.optim.grad_clip = 1.0
     c.optim.weight_decay = 0.0
 
