@@ -101,7 +101,7 @@ def get_config():
     c.warmup.steps = 1200  # 0: no supervised warm-up (real checkpoints)
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
-    c.warmup.augment = 3  # extra demonstrations per question with its identifiers randomised
+    c.warmup.augment = 3  # extra demonstrations per question, rewritten (identifiers randomised, words swapped)
     # TOOL:WEIGHT,... the scripted teacher's tool choice, whatever the question ("": uniform)
     c.warmup.teacher_tools = "vector_search:3,bm25_search:1"
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)

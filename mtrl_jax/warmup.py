@@ -202,11 +202,11 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     """
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
-    groups: dict[int, list[int]] = {}
-    for i, (t, _) in enumerate(demos):
-        groups.setdefault(bucket(len(t), full_bucket), []).append(i)
-    group_of = {i: length for length, members in groups.items() for i in members}
-    full = {length: (np.array(members), _pack([demos[i] for i in members], full_bucket)) for length, members in groups.items()}
+    group_of = [bucket(len(t), full_bucket) for t, _ in demos]
+    full = {}
+    for length in sorted(set(group_of)):
+        members = [i for i, g in enumerate(group_of) if g == length]
+        full[length] = np.array(members), _pack([demos[i] for i in members], full_bucket)
     prefixes = _pack([(t[:_first_turn_end(m)], m[:_first_turn_end(m)]) for t, m in demos])
 
     def loss_fn(params, tok, att, mask):

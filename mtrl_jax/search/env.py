@@ -70,7 +70,7 @@ class SearchEnvConfig:
     max_answer_docs: int = 10
     instructions: Optional[str] = None  # None: DEFAULT_INSTRUCTIONS, or COMPACT_INSTRUCTIONS for "compact"
     # "schemas": the tools' JSON schemas in <tools></tools>, as Qwen chat templates render them;
-    # "compact": one line per tool (the tiny default model, to keep its context short)
+    # "compact": short instructions and one line naming the tools (the tiny default model, to keep its context short)
     tool_prompt: str = "schemas"
 
     def __post_init__(self):
