@@ -28,8 +28,8 @@ def get_config():
     c.model.tiny_kv_heads = 2
     c.model.tiny_head_dim = 32
     c.model.tiny_intermediate = 384
-    c.model.dtype = "float32"  # parameters
-    c.model.compute_dtype = "float32"
+    c.model.param_dtype = "float32"  # parameters (as in Flax)
+    c.model.dtype = "float32"  # computation: activations and matmuls (as in Flax)
     c.model.remat = False
     c.model.mesh_shape = (1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
     c.model.assistant_prefix = ""  # e.g. "<think>\n\n</think>\n\n" for Qwen3 without thinking
@@ -72,12 +72,10 @@ def get_config():
     c.rl = config_dict.ConfigDict()
     c.rl.loss = "ppo"  # ppo | cispo | is | gspo | any registered loss
     c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo | grpo_passk | reinforce_pp_baseline | registered
-    c.rl.grpo_scale = "group"
-    c.rl.passk_k = 4
-    c.rl.clip_low = config_dict.placeholder(float)  # None: the loss's own default
-    c.rl.clip_high = config_dict.placeholder(float)
-    c.rl.clip_dual = config_dict.placeholder(float)
-    c.rl.is_cap = config_dict.placeholder(float)
+    # NAME=VALUE,... passed by name to the loss / the estimator (e.g. "clip_high=0.3", "scale=batch", "k=4");
+    # an option the selected function does not take is an error listing the ones it takes
+    c.rl.loss_options = ""
+    c.rl.advantage_options = ""
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0

@@ -19,8 +19,8 @@ def get_config():
     c.global_batch_size = 32
     c.rollout_max_concurrency = 128
     c.model.checkpoint = ""  # required: a local HF Qwen3 (or Qwen2 / Llama) directory
+    c.model.param_dtype = "bfloat16"
     c.model.dtype = "bfloat16"
-    c.model.compute_dtype = "bfloat16"
     c.model.remat = True
     c.model.mesh_shape = (1, -1, 1)  # FSDP over all local devices
     c.model.assistant_prefix = "<think>\n\n</think>\n\n"  # Qwen3 without thinking

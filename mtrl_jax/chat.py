@@ -1,4 +1,6 @@
-"""Tokenizer wrapper and the ChatML conversation format (Qwen style), rendered incrementally.
+"""The one home of the conversation and tool-call protocol: the tokenizer wrapper, ChatML
+rendering (Qwen style, incremental), the tags, the system prompts, the rendering and parsing of tool
+calls and answers, and the strings a tiny tokenizer is seeded with.
 
 A trajectory is token-in/token-out: the prompt is rendered once, each assistant turn is exactly
 the sampled tokens, and each environment reply is rendered as a *new block* of tokens appended
@@ -15,14 +17,128 @@ Layout (Qwen2.5 / Qwen3 chat templates)::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from typing import Sequence
+import re
+from typing import NamedTuple, Optional, Sequence
 
 from tokenizers import Tokenizer
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # Single tokens in Qwen3's vocabulary (added tokens), and so in the tokenizer trained here.
-PROTOCOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+PROTOCOL_TOKENS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
+
+TOOL_CALL = re.compile(f"{TOOL_CALL_OPEN}(.*?){TOOL_CALL_CLOSE}", re.DOTALL)
+ANSWER = re.compile(f"{ANSWER_OPEN}(.*?){ANSWER_CLOSE}", re.DOTALL)
+TOOL_ERROR_PREFIX = "Error: "
+
+DEFAULT_INSTRUCTIONS = (
+    "You are a search agent. Use the search tools to find the documents that answer the user's question, "
+    f"then reply with their ids, best first, as {ANSWER_OPEN}id1, id2, ...{ANSWER_CLOSE}."
+)
+# The compact prompt's: every token of the system prompt is in every sequence the tiny model trains on.
+COMPACT_INSTRUCTIONS = f"Search, then answer with document ids, best first: {ANSWER_OPEN}id1, id2{ANSWER_CLOSE}."
+
+TOOLS_TEMPLATE = """
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{schemas}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+TOOL_PROMPTS = ("schemas", "compact")
+
+
+def system_prompt(tool_schemas: Sequence[dict], tool_prompt: str = "schemas", instructions: Optional[str] = None) -> str:
+    """The system message listing the tools (``{"type": "function", "function": {...}}`` schemas).
+
+    ``"schemas"``: the JSON schemas in ``<tools></tools>``, as Qwen chat templates render them;
+    ``"compact"``: short instructions and one line naming the tools (the tiny default, whose
+    every training sequence carries this prompt)."""
+    if tool_prompt == "compact":
+        tools = ", ".join(f"{f['function']['name']}({', '.join(f['function']['parameters'].get('properties', {}))})"
+                          for f in tool_schemas)
+        return (f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
+                f"call as {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{TOOL_CALL_CLOSE}")
+    if tool_prompt != "schemas":
+        raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS}, got {tool_prompt!r}")
+    schemas = "\n".join(json.dumps(f) for f in tool_schemas)
+    return (DEFAULT_INSTRUCTIONS if instructions is None else instructions) + TOOLS_TEMPLATE.format(schemas=schemas)
+
+
+def render_tool_call(name: str, arguments: dict) -> str:
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{TOOL_CALL_CLOSE}"
+
+
+def render_answer(doc_ids: Sequence[str]) -> str:
+    return f"{ANSWER_OPEN}{', '.join(doc_ids)}{ANSWER_CLOSE}"
+
+
+class ParsedCall(NamedTuple):
+    """One ``<tool_call>`` block: ``name`` and ``arguments``, or ``error_kind`` and ``error``."""
+
+    name: Optional[str]
+    arguments: Optional[dict]
+    error_kind: Optional[str] = None
+    error: Optional[str] = None
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall]:
+    """Every ``<tool_call>`` block of an assistant turn, in order (Qwen / Hermes JSON bodies)."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {e.msg}"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ParsedCall(None, None, "bad_format", 'a tool call must be {"name": ..., "arguments": {...}}'))
+            continue
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            calls.append(ParsedCall(call["name"], None, "bad_arguments", f"{call['name']}: arguments must be a JSON object"))
+            continue
+        calls.append(ParsedCall(call["name"], arguments))
+    if text.count(TOOL_CALL_OPEN) > len(calls):
+        calls.append(ParsedCall(None, None, "bad_format", f"unterminated {TOOL_CALL_OPEN} (missing {TOOL_CALL_CLOSE})"))
+    return calls
+
+
+def parse_answer(text: str) -> Optional[list[str]]:
+    """Doc ids in the last ``<answer>`` block (``None`` when there is none): a JSON list, or ids
+    separated by commas or white space."""
+    blocks = ANSWER.findall(text)
+    if not blocks:
+        return None
+    body = blocks[-1].strip()
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, list):
+            return [str(x) for x in parsed]
+    except json.JSONDecodeError:
+        pass
+    return [t.strip("\"'[]") for t in re.split(r"[,\s]+", body) if t.strip("\"'[]")]
+
+
+def tokenizer_seed_texts(tool_names: Sequence[str], copies: int = 50) -> list[str]:
+    """Protocol strings a tiny tokenizer is trained on besides the corpus, so that calls, answers and
+    tool errors get compact tokens."""
+    texts = [render_tool_call(name, {"query": "x"}) for name in tool_names]
+    texts += [render_answer([]), f"{TOOL_RESPONSE_OPEN}\n{TOOL_RESPONSE_CLOSE}", TOOL_ERROR_PREFIX]
+    return texts * copies
 
 
 @dataclasses.dataclass
@@ -76,7 +192,7 @@ class ChatFormat:
             if messages[i]["role"] == "tool":
                 text += f"{IM_START}user"
                 while i < len(messages) and messages[i]["role"] == "tool":
-                    text += f"\n<tool_response>\n{messages[i]['content']}\n</tool_response>"
+                    text += f"\n{TOOL_RESPONSE_OPEN}\n{messages[i]['content']}\n{TOOL_RESPONSE_CLOSE}"
                     i += 1
                 text += f"{IM_END}\n"
             else:

@@ -1,8 +1,9 @@
-"""The training loop: build everything from a config, warm up, run MTRL, checkpoint, resume.
+"""The RL loop: collect, filter stale groups, update, publish, log, checkpoint, stop on SIGTERM.
 
-``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls. When
-``workdir`` holds a checkpoint the run resumes from it (parameters, optimizer state, step, RNG,
-data cursor, staleness counters); SIGTERM writes a checkpoint before the process exits.
+``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls. Components
+come from ``mtrl_jax.setup``, checkpoints from ``mtrl_jax.checkpoint``, metrics and trajectory files
+from ``mtrl_jax.metrics``. When ``workdir`` holds a checkpoint the run resumes from it (parameters,
+optimizer state, RNG, data cursor, staleness counters); SIGTERM writes a checkpoint before exiting.
 """
 
 from __future__ import annotations
@@ -10,355 +11,172 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
 
-from mtrl_jax.chat import ChatFormat, train_tokenizer
-from mtrl_jax.data.collection import Collection, load_beir, mixture, split
-from mtrl_jax.data.synthetic import make_synthetic_collection
-from mtrl_jax.evaluate import summarize
-from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
-from mtrl_jax.model.sharding import make_mesh
+from mtrl_jax import metrics as M
+from mtrl_jax.checkpoint import Checkpoints, RunRecord
+from mtrl_jax.data.schedule import DataCursor
+from mtrl_jax.evaluate import run_episodes
 from mtrl_jax.rl.batch import make_batch
-from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater, make_optimizer
-from mtrl_jax.rollout.collector import AsyncRollouts, Collector, CollectorConfig, EpisodeRequest, filter_stale
-from mtrl_jax.search.build import SearchSettings, make_environment
-from mtrl_jax.search.env import EnvironmentRouter, SearchEnvConfig
-from mtrl_jax.warmup import (augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights, question_vocabulary,
-                             supervised_warmup, teacher_turns)
+from mtrl_jax.rollout.collector import Collector, EpisodeRequest
+from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
+from mtrl_jax.setup import Components, build
+from mtrl_jax.warmup import warm_up
 
 log = logging.getLogger("mtrl_jax")
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+def trainable_groups(groups: Sequence, rows_divisor: int) -> tuple[list, list]:
+    """``(kept, left_out)``: the longest prefix of whole groups whose row count is a multiple of
+    ``rows_divisor`` (mini-batches x micro-batches).
+
+    Why drop any: the jitted update splits the batch's rows into equal mini- and micro-batches, and a
+    group is only meaningful whole (its advantages compare its samples with each other). A full step
+    always qualifies (the configuration is checked for it), but after stale groups are filtered out
+    the rest may not split evenly; the few groups that do not fit are left out of this step, and
+    counted in the step's metrics.
+    """
+    if not groups:
+        return [], []
+    size = len(groups[0])
+    unit = math.lcm(size, rows_divisor) // size  # groups per evenly splittable block
+    keep = len(groups) // unit * unit
+    return list(groups[:keep]), list(groups[keep:])
 
 
-# ----------------------------------------------------------------------------- building blocks
-
-
-def build_data(config) -> tuple[dict[str, Collection], list, list]:
-    """Collections by name, train tasks (mixture) and validation tasks (5% per dataset)."""
-    collections = {}
-    if config.data.synthetic:
-        c = make_synthetic_collection(config.data.synthetic_seed)
-        collections[c.name] = c
-    for folder in _csv(config.data.folders):
-        c = load_beir(folder)
-        if c.name in collections:
-            raise ValueError(f"data.folders: two collections are named {c.name!r}")
-        collections[c.name] = c
-    if not collections:
-        raise ValueError("no data: set data.synthetic=True or data.folders")
-    train, val = {}, []
-    for name, c in collections.items():
-        t, v = split(c.tasks, config.data.validation_fraction)
-        train[name] = t
-        val += v
-    weights = _csv(config.data.weights)
-    if weights:
-        if len(weights) != len(collections):
-            raise ValueError(f"data.weights has {len(weights)} entries for {len(collections)} collections {list(collections)}")
-        weight_map = dict(zip(collections, map(float, weights)))
-        total = sum(len(t) for t in train.values())
-        train_tasks = mixture(train, weight_map, total, seed=config.seed)
-    else:
-        train_tasks = [t for name in collections for t in train[name]]
-    if config.data.max_eval_tasks:
-        val = val[: config.data.max_eval_tasks]
-    return collections, train_tasks, val
-
-
-def build_environment(config, collections):
-    settings = SearchSettings(
-        tools=tuple(_csv(config.search.tools)), encoder=config.search.encoder, tfidf_dim=config.search.tfidf_dim,
-        index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
-        cache_dir=config.search.cache_dir or None, remote_url=config.search.remote_url or None)
-    env_cfg = SearchEnvConfig(max_turns=config.env.max_turns, answer_fallback=config.env.answer_fallback,
-                              max_answer_docs=config.env.max_answer_docs, tool_prompt=config.env.tool_prompt)
-    return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
-
-
-def build_chat(config, workdir: pathlib.Path, collections, env) -> ChatFormat:
-    prefix = config.model.assistant_prefix
-    if config.model.tokenizer:
-        return ChatFormat.from_file(config.model.tokenizer, prefix)
-    if config.model.checkpoint:
-        path = pathlib.Path(config.model.checkpoint) / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: not found; set model.tokenizer")
-        return ChatFormat.from_file(path, prefix)
-    saved = workdir / "tokenizer.json"
-    if saved.exists():  # resume with the very same tokenizer
-        return ChatFormat.from_file(saved, prefix)
-    texts = []
-    for name, c in collections.items():
-        texts += [f"{d.doc_id} {d.title} {d.text}" for d in c.documents]
-        texts += [t.query for t in c.tasks]
-        probe = c.tasks[0]
-        _, messages = env.reset(probe)
-        texts += [m["content"] for m in messages] * 20
-    texts += ['<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x"}}\n</tool_call>',
-              '<tool_call>\n{"name": "vector_search", "arguments": {"query": "x"}}\n</tool_call>',
-              "<answer></answer>", "<tool_response>\n</tool_response>", "Error: "] * 50
-    tokenizer = train_tokenizer(texts, config.model.tiny_vocab)
-    tokenizer.save(str(saved))
-    return ChatFormat(tokenizer, prefix)
-
-
-def build_model(config, vocab_size: int, mesh):
-    runtime = dict(remat=config.model.remat)
-    if config.model.checkpoint:
-        model, params = load_hf_checkpoint(config.model.checkpoint, config.model.dtype, mesh,
-                                           compute_dtype=config.model.compute_dtype, **runtime)
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}")
-        return model.config, params
-    m = config.model
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=m.tiny_hidden, intermediate_size=m.tiny_intermediate,
-                      num_layers=m.tiny_layers, num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads,
-                      head_dim=m.tiny_head_dim, model_type="qwen3", qk_norm=True, tie_word_embeddings=True,
-                      rope_theta=10000.0, dtype=m.compute_dtype, param_dtype=m.dtype, **runtime)
-    return cfg, init_params(cfg, jax.random.PRNGKey(config.seed), mesh)
-
-
-def update_config(config) -> UpdateConfig:
-    rl = config.rl
-    options = {k: rl[k] for k in ("clip_low", "clip_high", "clip_dual", "is_cap") if rl[k] is not None}
-    if rl.loss != "is":
-        options.pop("is_cap", None)
-    adv_options = {}
-    if rl.advantage == "grpo":
-        adv_options["scale"] = rl.grpo_scale
-    elif rl.advantage == "grpo_passk":
-        adv_options["k"] = rl.passk_k
-    norm_len = config.rollout.max_len if rl.aggregation == "seq-mean-token-sum-norm" else None
-    return UpdateConfig(
-        objective=ObjectiveConfig(loss=rl.loss, loss_options=tuple(sorted(options.items())), aggregation=rl.aggregation,
-                                  norm_len=norm_len, tis_cap=rl.tis_cap, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                                  entropy_coef=rl.entropy_coef),
-        advantage=rl.advantage, advantage_options=tuple(sorted(adv_options.items())), temperature=config.rollout.temperature,
-        old_logp=rl.old_logp, update_epochs=rl.update_epochs, mini_batches=rl.mini_batches, micro_batches=rl.micro_batches,
-        logprob_chunk=rl.logprob_chunk)
-
-
-class ParamsHolder:
-    """The latest published ``(params, version)``, read by the collector before each device call."""
-
-    def __init__(self, params, version: int):
-        self.value = (params, version)
-
-    def __call__(self):
-        return self.value
-
-    def publish(self, params, version: int):
-        self.value = (params, version)
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-class Run:
-    def __init__(self, config, workdir: os.PathLike):
-        self.config = config
+class Trainer:
+    def __init__(self, components: Components, workdir: os.PathLike):
+        c = self.c = components
         self.workdir = pathlib.Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.collections, self.train_tasks, self.val_tasks = build_data(config)
-        if not self.train_tasks:
-            raise ValueError("no training tasks")
-        self.env = build_environment(config, self.collections)
-        self.chat = build_chat(config, self.workdir, self.collections, self.env)
-        self.mesh = make_mesh(tuple(config.model.mesh_shape))
-        self.model_cfg, params = build_model(config, self.chat.vocab_size, self.mesh)
-        P = config.global_batch_size
-        self.steps_per_epoch = max(1, len(self.train_tasks) // P)
-        self.total_steps = config.max_steps or config.max_epochs * self.steps_per_epoch
-        self.total_steps = min(self.total_steps, config.max_epochs * self.steps_per_epoch)
-        o = config.optim
-        self.tx = make_optimizer(o.learning_rate, self.total_steps * config.rl.update_epochs * config.rl.mini_batches,
-                                 o.schedule, o.warmup_steps, o.grad_clip, o.weight_decay)
-        self.updater = Updater(self.model_cfg, update_config(config), self.tx)
-        self.state = self.updater.init_state(params, jax.random.PRNGKey(config.seed))
+        self.checkpoints = Checkpoints(self.workdir, c.run.checkpoint_keep)
+        self.state = c.updater.init_state(c.params, jax.random.PRNGKey(c.run.seed))
+        self.record = RunRecord(cursor=DataCursor(shuffle_seed=c.run.seed))
         self.ref_params = None
-        r = config.rollout
-        self.collector_cfg = CollectorConfig(slots=config.rollout_max_concurrency, max_len=r.max_len,
-                                             max_tokens_per_turn=r.max_tokens_per_turn, decode_chunk=r.decode_chunk,
-                                             temperature=r.temperature, top_p=r.top_p, tool_workers=r.tool_workers)
-        self.holder = ParamsHolder(self.state.params, 0)
-        self.collector = Collector(self.model_cfg, self.chat, self.env, self.collector_cfg, self.holder)
-        self.eval_collector = Collector(self.model_cfg, self.chat, self.env,
-                                        dataclasses.replace(self.collector_cfg, temperature=max(config.eval.temperature, 0.0)),
-                                        self.holder)
-        self.ckpt = ocp.CheckpointManager(
-            (self.workdir / "checkpoints").absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep, create=True))
-        self.meta = {"rl_step": 0, "before": None, "staleness": {"dropped_groups": 0, "max_seen": 0}}
-        self.writer = None
+        self.published = PublishedParams(self.state.params, 0)
+        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published)
+        eval_cfg = dataclasses.replace(c.collector, temperature=max(c.run.eval_temperature, 0.0))
+        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published)
+        self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False
-        self.last_collect_seconds = 0.0
-
-    # -------------------------------------------------------------- checkpoints
-
-    def save(self):
-        step = self.meta["rl_step"]
-        P = self.config.global_batch_size
-        self.meta["cursor"] = {"epoch": step // self.steps_per_epoch, "index": (step % self.steps_per_epoch) * P,
-                               "shuffle_seed": self.config.seed}
-        state = {"params": self.state.params, "opt_state": self.state.opt_state, "step": self.state.step,
-                 "rng": self.state.rng}
-        self.ckpt.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(self.meta)),
-                       force=True)
-        self.ckpt.wait_until_finished()
-
-    def try_restore(self) -> bool:
-        latest = self.ckpt.latest_step()
-        if latest is None:
-            return False
-        abstract = {"params": self.state.params, "opt_state": self.state.opt_state, "step": self.state.step, "rng": self.state.rng}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
-        restored = self.ckpt.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                     meta=ocp.args.JsonRestore()))
-        s = restored["state"]
-        self.state = TrainState(s["params"], s["opt_state"], s["step"], s["rng"])
-        self.meta = restored["meta"]
-        self.holder.publish(self.state.params, self.meta["rl_step"])
-        return True
-
-    def save_reference(self):
-        """The KL reference (the policy RL starts from), written once, before the first checkpoint."""
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save((self.workdir / "reference").absolute(), self.state.params, force=True)
-        checkpointer.wait_until_finished()
-
-    def restore_reference(self):
-        path = (self.workdir / "reference").absolute()
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: rl.kl_coef is set but this run has no KL reference policy "
-                                    "(it started with rl.kl_coef=0); resume it with rl.kl_coef=0 or use a new workdir")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state.params)
-        return ocp.StandardCheckpointer().restore(path, abstract)
 
     # -------------------------------------------------------------- pieces of the loop
 
-    def step_tasks(self, step: int) -> list:
-        """The prompts of RL step ``step``: a seeded shuffle per epoch, consumed in order."""
-        P = self.config.global_batch_size
-        epoch, index = divmod(step, self.steps_per_epoch)
-        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.train_tasks))
-        return [self.train_tasks[i] for i in order[index * P:(index + 1) * P]]
-
     def requests(self, step: int) -> list[EpisodeRequest]:
-        G = self.config.rollout.group_size
-        base = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), step)
-        return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g))
-                for p, task in enumerate(self.step_tasks(step)) for g in range(G)]
+        """The ``P x G`` episodes of RL step ``step``: the tasks at the data cursor, a key per episode."""
+        first_step, first_cursor = self.start
+        tasks = self.c.schedule.batch(self.c.schedule.advance(first_cursor, step - first_step))
+        G = self.c.run.group_size
+        base = jax.random.fold_in(jax.random.PRNGKey(self.c.run.seed + 1), step)
+        return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
 
-    def collect(self, step: int):
+    def collect(self, step: int) -> tuple[list, float]:
         start = time.perf_counter()
         trajectories = self.collector.run(self.requests(step))
-        self.last_collect_seconds = time.perf_counter() - start
-        G = self.config.rollout.group_size
-        return [trajectories[i:i + G] for i in range(0, len(trajectories), G)]
+        G = self.c.run.group_size
+        return [trajectories[i:i + G] for i in range(0, len(trajectories), G)], time.perf_counter() - start
 
-    def evaluate(self, tasks, label: str) -> dict:
-        key = jax.random.PRNGKey(self.config.seed + 2)
-        requests = [EpisodeRequest(t, i, 0, jax.random.fold_in(key, i)) for i, t in enumerate(tasks)]
+    def evaluate(self, label: str) -> dict:
         start = time.perf_counter()
-        trajectories = self.eval_collector.run(requests)
-        metrics = summarize(trajectories)
-        metrics["seconds"] = time.perf_counter() - start
-        self.write_trajectories(trajectories, f"eval_{label}")
+        trajectories = run_episodes(self.eval_collector, self.c.val_tasks, jax.random.PRNGKey(self.c.run.seed + 2))
+        if self.c.run.log_trajectories:
+            M.write_trajectories(self.workdir / "trajectories" / f"eval_{label}.jsonl", trajectories)
+        return {**M.summarize(trajectories), "seconds": time.perf_counter() - start}
+
+    def train_on(self, step: int, groups: list) -> dict:
+        """One update on the fresh groups of RL step ``step``; returns the step's metrics."""
+        fresh, stale = filter_stale(groups, step, self.c.run.max_staleness)
+        lag = [step - t.min_version() for g in fresh for t in g if t.min_version() is not None]
+        self.record.dropped_groups += len(stale)
+        self.record.max_staleness_seen = max([self.record.max_staleness_seen] + lag)
+        trajectories = [t for g in fresh for t in g]
+        if self.c.run.log_trajectories:
+            M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajectories, step + 1)
+        metrics = {**M.rollout_metrics(trajectories), "staleness/dropped_groups": len(stale),
+                   "staleness/mean": sum(lag) / len(lag) if lag else 0.0}
+        kept, left_out = trainable_groups(fresh, self.c.updater.config.rows_per_micro_batch_divisor)
+        metrics["batch/left_out_groups"] = len(left_out)
+        if not kept:
+            log.warning("RL step %d: no trainable groups (%d stale, %d left out)", step + 1, len(stale), len(left_out))
+            return metrics
+        batch = make_batch([t for g in kept for t in g], self.c.run.group_size, self.c.run.length_bucket, self.c.chat.pad_id)
+        start = time.perf_counter()
+        self.state, update_metrics = self.c.updater.update(self.state, jax.device_put(batch), self.ref_params)
+        update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
+        metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
+        metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / (time.perf_counter() - start)
         return metrics
 
-    def write_trajectories(self, trajectories, name: str, step: Optional[int] = None):
-        if not self.config.log.trajectories:
-            return
-        folder = self.workdir / "trajectories"
-        folder.mkdir(exist_ok=True)
-        with open(folder / f"{name}.jsonl", "w") as f:
-            for t in trajectories:
-                f.write(t.to_json(step) + "\n")
+    def save(self) -> None:
+        self.checkpoints.save(self.state, self.record)
 
-    def warmup(self):
-        cfg = self.config.warmup
-        rng = np.random.default_rng(self.config.seed)
-        tools = _csv(self.config.search.tools)
-        probs = parse_tool_weights(cfg.teacher_tools, tools)
-        top_ks, top_k_probs = parse_top_k_weights(cfg.teacher_top_k, SearchSettings.max_top_k)
-        demos = []
-        vocabulary = question_vocabulary(self.train_tasks)
-        for task in self.train_tasks:
-            for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-                policy = teacher_turns(rng, tools, probs, top_ks, top_k_probs)
-                demos.append(demonstration_tokens(self.chat, self.env, variant, policy))
-        log.info("warm-up on %d scripted demonstrations for %d steps", len(demos), cfg.steps)
-        params, losses = supervised_warmup(self.model_cfg, self.state.params, demos, cfg.steps, cfg.batch_size,
-                                           cfg.learning_rate, seed=self.config.seed, log=log.info)
-        self.state = self.updater.init_state(params, self.state.rng)
-        self.holder.publish(params, 0)
-        return losses
+    def _on_sigterm(self, signum, frame):
+        self.stop_requested = True
 
-    # -------------------------------------------------------------- main
+    # -------------------------------------------------------------- the run
+
+    def _begin(self) -> None:
+        """Resume from the latest checkpoint, or warm up, evaluate the starting policy and save step 0."""
+        restored = self.checkpoints.restore(self.state)
+        kl = self.c.updater.config.objective.kl_coef
+        if restored is not None:
+            self.state, self.record = restored
+            log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
+            self.published.publish(self.state.params, self.record.rl_step)
+            self.ref_params = self.checkpoints.restore_reference(self.state.params) if kl else None
+        else:
+            if self.c.warmup is not None:
+                params = warm_up(self.c, self.state.params, log=log.info)
+                self.state = self.c.updater.init_state(params, self.state.rng)
+                self.published.publish(params, 0)
+            self.record.before = self.evaluate("before")
+            print(M.headline("before RL", self.record.before), flush=True)
+            if kl:  # the policy RL starts from
+                self.checkpoints.save_reference(self.state.params)
+                self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+            self.save()
+        self.start = (self.record.rl_step, self.record.cursor)
 
     def train(self) -> dict:
-        from tensorboardX import SummaryWriter
-
-        config = self.config
-        resumed = self.try_restore()
-        if resumed:
-            log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.meta["rl_step"])
-        else:
-            if config.warmup.steps and not config.model.checkpoint:
-                self.warmup()
-            self.meta["before"] = self.evaluate(self.val_tasks, "before")
-            _print_metrics("before RL", self.meta["before"])
-            if config.rl.kl_coef:
-                self.save_reference()
-            self.save()
-        if config.rl.kl_coef:  # the policy RL started from
-            self.ref_params = self.restore_reference() if resumed else jax.tree.map(jnp.copy, self.state.params)
-        self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
+        run = self.c.run
+        self._begin()
+        first, _ = self.start
+        metrics_log = M.MetricsLog(self.workdir)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        rollouts = None
+        rollouts = AsyncRollouts(self.collect, first, run.max_staleness, first) if run.asynchronous and first < run.total_steps else None
         try:
-            start = self.meta["rl_step"]
-            if config.rollout.asynchronous and start < self.total_steps:
-                rollouts = AsyncRollouts(self.collect, start, config.rollout.max_staleness, start)
-            progress = _progress(config.log.progress, start, self.total_steps)
-            for step in range(start, self.total_steps):
+            progress = _progress(run.log_progress, first, run.total_steps)
+            for step in range(first, run.total_steps):
                 t0 = time.perf_counter()
                 if rollouts is not None:
-                    got_step, groups = rollouts.get()
+                    got_step, (groups, collect_s) = rollouts.get()
                     assert got_step == step, (got_step, step)
                 else:
-                    groups = self.collect(step)
-                t_collect = time.perf_counter() - t0
+                    groups, collect_s = self.collect(step)
+                wait_s = time.perf_counter() - t0
                 metrics = self.train_on(step, groups)
-                self.meta["rl_step"] = step + 1
-                self.holder.publish(self.state.params, step + 1)
+                self.record.rl_step = step + 1
+                self.record.cursor = self.c.schedule.advance(self.start[1], step + 1 - first)
+                self.published.publish(self.state.params, step + 1)
                 if rollouts is not None:
                     rollouts.publish(step + 1)
-                metrics["time/collect_wait_s"] = t_collect
-                metrics["throughput/sampled_tokens_per_s"] = metrics.get("throughput/sampled_tokens", 0.0) / max(
-                    self.last_collect_seconds, 1e-9)
+                metrics["time/collect_wait_s"] = wait_s
+                metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / max(collect_s, 1e-9)
                 metrics["time/step_s"] = time.perf_counter() - t0
-                if config.eval.every_steps and (step + 1) % config.eval.every_steps == 0 and step + 1 < self.total_steps:
-                    for k, v in _flatten(self.evaluate(self.val_tasks, f"step_{step + 1:06d}"), "eval").items():
-                        metrics[k] = v
-                self.log_scalars(step + 1, metrics)
+                if run.eval_every and (step + 1) % run.eval_every == 0 and step + 1 < run.total_steps:
+                    metrics.update(M.flatten(self.evaluate(f"step_{step + 1:06d}"), "eval"))
+                metrics_log.write(step + 1, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ndcg=f"{metrics['reward/ndcg@10']:.3f}")
-                if (step + 1) % config.checkpoint.every_steps == 0 or step + 1 == self.total_steps or self.stop_requested:
+                if (step + 1) % run.checkpoint_every == 0 or step + 1 == run.total_steps or self.stop_requested:
                     self.save()
                 if self.stop_requested:
                     log.warning("SIGTERM: checkpoint written at RL step %d, exiting", step + 1)
@@ -368,76 +186,18 @@ class Run:
             if rollouts is not None:
                 rollouts.stop()
             signal.signal(signal.SIGTERM, previous)
-            self.writer.close()
-        after = self.evaluate(self.val_tasks, "after")
-        _print_metrics("after RL", after)
-        summary = {"before": self.meta["before"], "after": after, "rl_steps": self.total_steps,
-                   "staleness": self.meta["staleness"]}
+            metrics_log.close()
+        after = self.evaluate("after")
+        print(M.headline("after RL", after), flush=True)
+        summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps,
+                   "staleness": self.record.to_json()["staleness"]}
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.collector.close()
-        self.eval_collector.close()
         return summary
 
-    def _on_sigterm(self, signum, frame):
-        self.stop_requested = True
-
-    def train_on(self, step: int, groups) -> dict:
-        G = self.config.rollout.group_size
-        fresh, stale = filter_stale(groups, step, self.config.rollout.max_staleness)
-        self.meta["staleness"]["dropped_groups"] += len(stale)
-        lag = [step - t.min_version() for g in fresh for t in g if t.min_version() is not None]
-        self.meta["staleness"]["max_seen"] = max([self.meta["staleness"]["max_seen"]] + lag)
-        trajectories = [t for g in fresh for t in g]
-        metrics = _rollout_metrics(trajectories)
-        metrics["staleness/dropped_groups"] = len(stale)
-        metrics["staleness/mean"] = float(np.mean(lag)) if lag else 0.0
-        self.write_trajectories(trajectories, f"step_{step + 1:06d}", step + 1)
-        divisor = self.updater.config.mini_batches * self.updater.config.micro_batches
-        usable = (len(fresh) * G // divisor) * divisor // G * G
-        if usable == 0:
-            log.warning("RL step %d: no trainable groups (%d stale)", step + 1, len(stale))
-            return metrics
-        batch = make_batch(trajectories[:usable], G, self.config.rl.length_bucket, self.chat.pad_id)
-        t0 = time.perf_counter()
-        self.state, update_metrics = self.updater.update(self.state, batch, self.ref_params, seed=step)
-        seconds = time.perf_counter() - t0
-        metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-        metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / seconds
-        metrics["throughput/sampled_tokens"] = float(sum(t.num_sampled for t in trajectories))
-        return metrics
-
-    def log_scalars(self, step: int, metrics: dict):
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and np.isfinite(v):
-                self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-        with open(self.workdir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}) + "\n")
-
-
-def _rollout_metrics(trajectories) -> dict:
-    s = summarize(trajectories)
-    out = {"reward/mean": float(np.mean([t.reward for t in trajectories])), "reward/ndcg@10": s["ndcg@10"],
-           "episodes/failure_rate": s["failure_rate"], "episodes/mean_turns": s["mean_turns"],
-           "episodes/tool_errors_per_episode": s["tool_errors_per_query"]}
-    out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
-    out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_query"].items()})
-    return out
-
-
-def _flatten(d: dict, prefix: str) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}/{k}"))
-        else:
-            out[f"{prefix}/{k}"] = v
-    return out
-
-
-def _print_metrics(label: str, m: dict):
-    print(f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
-          f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_query']}, queries {m['queries']}", flush=True)
+    def close(self) -> None:
+        self.collector.close()
+        self.eval_collector.close()
+        self.checkpoints.close()
 
 
 def _progress(enabled: bool, start: int, total: int):
@@ -447,4 +207,10 @@ def _progress(enabled: bool, start: int, total: int):
 
 
 def train_and_evaluate(config, workdir: os.PathLike) -> dict:
-    return Run(config, workdir).train()
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(build(config, workdir), workdir)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

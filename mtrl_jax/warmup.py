@@ -16,7 +16,6 @@ question words, so copying is what generalises.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional, Sequence
 
 import jax
@@ -24,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtrl_jax.chat import ChatFormat
+from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.rl.batch import bucket
-from mtrl_jax.rl.train_step import sequence_logp
-from mtrl_jax.rollout.env import Environment
+from mtrl_jax.rl.batch import bucket, pad_rows
+from mtrl_jax.rl.logprobs import sequence_logprobs
+from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 
 
 def _parse_weights(text: str, field: str, what: str, parse_key) -> dict:
@@ -141,32 +140,20 @@ def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Op
     def policy(messages):
         if messages[-1]["role"] == "user":
             arguments = {"query": messages[-1]["content"]} | ({} if top_k is None else {"top_k": int(top_k)})
-            call = {"name": tool, "arguments": arguments}
-            return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-        return "<answer></answer>"
+            return render_tool_call(tool, arguments)
+        return render_answer([])
 
     return policy
 
 
-def demonstration_tokens(chat: ChatFormat, env: Environment, task, policy) -> tuple[list[int], list[int]]:
-    """Run the scripted ``policy`` in ``env`` and render the episode as (tokens, loss mask),
-    exactly as the collector would have produced it had the policy sampled these turns."""
-    episode, messages = env.reset(task)
-    tokens = chat.prompt(messages)
-    mask = [0] * len(tokens)
-    for _ in range(100):
-        text = policy(messages)
-        turn = chat.encode(text) + [chat.im_end_id]
-        tokens, mask = tokens + turn, mask + [1] * len(turn)
-        result = env.step(episode, text)
-        if result.done:
-            if episode.status != "ok":
-                raise RuntimeError(f"scripted demonstration failed on {task.task_id}: {episode.status}")
-            return tokens, mask
-        block = chat.continuation(result.messages)
-        tokens, mask = tokens + block, mask + [0] * len(block)
-        messages = messages + [{"role": "assistant", "content": text}] + result.messages
-    raise RuntimeError(f"scripted demonstration did not end on {task.task_id}")
+def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
+    """Run the scripted ``policy`` through the episode driver and return the trajectory's
+    ``(tokens, loss mask)``: exactly what the collector would have produced had the policy sampled
+    these turns."""
+    run = run_scripted(driver, task, policy)
+    if run.episode.status != "ok":
+        raise RuntimeError(f"scripted demonstration failed on {task.task_id}: {run.episode.status}")
+    return run.trajectory.tokens, run.trajectory.loss_mask
 
 
 def _first_turn_end(mask: Sequence[int]) -> int:
@@ -180,12 +167,8 @@ def _first_turn_end(mask: Sequence[int]) -> int:
 
 def _pack(demos, length_multiple: int = 8):
     T = bucket(max(len(t) for t, _ in demos), length_multiple)
-    tokens = np.zeros((len(demos), T), np.int32)
-    attention = np.zeros_like(tokens)
-    loss_mask = np.zeros((len(demos), T), np.float32)
-    for i, (t, m) in enumerate(demos):
-        tokens[i, :len(t)], attention[i, :len(t)], loss_mask[i, :len(m)] = t, 1, m
-    return tokens, attention, loss_mask
+    return (pad_rows([t for t, _ in demos], T, np.int32), pad_rows([[1] * len(t) for t, _ in demos], T, np.int32),
+            pad_rows([m for _, m in demos], T, np.float32))
 
 
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
@@ -210,7 +193,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     prefixes = _pack([(t[:_first_turn_end(m)], m[:_first_turn_end(m)]) for t, m in demos])
 
     def loss_fn(params, tok, att, mask):
-        logp, _ = sequence_logp(model_cfg, params, tok, att, 1.0, 512)
+        logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=512)
         return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @jax.jit
@@ -234,3 +217,22 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
     return params, losses
+
+
+def warm_up(components, params, log=print):
+    """The embedded default's warm-up of ``params`` (``components.warmup`` settings): the scripted
+    teacher's demonstrations of every training task and its augmented variants, rendered through the
+    episode driver, then ``supervised_warmup``. Returns the warmed-up parameters."""
+    cfg = components.warmup
+    rng = np.random.default_rng(components.run.seed)
+    driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
+    vocabulary = question_vocabulary(components.train_tasks)
+    demos = []
+    for task in components.train_tasks:
+        for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
+            policy = teacher_turns(rng, cfg.tools, np.array(cfg.tool_probs), cfg.top_ks, np.array(cfg.top_k_probs))
+            demos.append(demonstration_tokens(driver, variant, policy))
+    log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps")
+    params, _ = supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
+                                  seed=components.run.seed, log=log)
+    return params

@@ -128,7 +128,7 @@ def test_missing_shard_file_is_named(tmp_path):
 
 def test_bfloat16_params_and_compute():
     tokens, mask, ref_logits = reference("qwen3_untied")
-    model, params = load_hf_checkpoint(FIXTURES / "qwen3_untied", dtype="bfloat16")
+    model, params = load_hf_checkpoint(FIXTURES / "qwen3_untied", param_dtype="bfloat16")
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     logits = np.asarray(compute_logits(model, params, jnp.asarray(tokens), jnp.asarray(mask)))
     assert np.abs(logits - ref_logits)[mask.astype(bool)].max() < 0.05
@@ -136,7 +136,7 @@ def test_bfloat16_params_and_compute():
 
 def test_float32_params_bfloat16_compute():
     tokens, mask, ref_logits = reference("qwen2")
-    model, params = load_hf_checkpoint(FIXTURES / "qwen2", "float32", compute_dtype="bfloat16")
+    model, params = load_hf_checkpoint(FIXTURES / "qwen2", "float32", dtype="bfloat16")
     assert model.config.param_dtype == "float32" and model.config.dtype == "bfloat16"
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
     hidden, _ = forward(model.config, params, jnp.asarray(tokens), jnp.asarray(mask))

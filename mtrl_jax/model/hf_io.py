@@ -206,25 +206,25 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 def load_hf_checkpoint(
     path: os.PathLike,
-    dtype: str | jnp.dtype = "float32",
+    param_dtype: str | jnp.dtype = "float32",
     mesh: Optional[jax.sharding.Mesh] = None,
     *,
-    compute_dtype: Optional[str] = None,
+    dtype: Optional[str] = None,
     **runtime,
 ) -> tuple[Transformer, dict]:
     """Load a local HF directory (``config.json`` + safetensors) as ``(Transformer, params)``.
 
-    ``dtype``: parameter dtype (``"float32"`` or ``"bfloat16"``). ``mesh``: place every parameter
-    straight onto it with the logical sharding table. ``compute_dtype``: activation/matmul dtype
-    (defaults to ``dtype``; ``"bfloat16"`` with float32 parameters is mixed precision).
+    ``param_dtype``: parameter dtype (``"float32"`` or ``"bfloat16"``). ``mesh``: place every
+    parameter straight onto it with the logical sharding table. ``dtype``: activation/matmul dtype,
+    as in Flax (defaults to ``param_dtype``; ``"bfloat16"`` with float32 parameters is mixed precision).
     ``runtime``: other ``ModelConfig`` runtime fields (``remat``, ``attention_impl``).
     """
     path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file}: not found (expected an HF checkpoint directory)")
-    param_dtype = jnp.dtype(dtype).name
-    runtime["dtype"] = jnp.dtype(compute_dtype or param_dtype).name
+    param_dtype = jnp.dtype(param_dtype).name
+    runtime["dtype"] = jnp.dtype(dtype or param_dtype).name
     cfg = ModelConfig.from_hf(json.loads(config_file.read_text()), source=str(config_file), param_dtype=param_dtype, **runtime)
     rules = key_map(cfg)
     boxed = abstract_params(cfg)

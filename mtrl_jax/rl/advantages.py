@@ -9,7 +9,7 @@ Add an estimator without editing this file::
     from mtrl_jax.rl import advantages
 
     @advantages.register("median_baseline")
-    def median_baseline(rewards, group_size):
+    def median_baseline(rewards, group_size, loss_mask):
         groups = rewards.reshape(-1, group_size)
         return (groups - jnp.median(groups, axis=1, keepdims=True)).reshape(-1)
 
@@ -19,68 +19,53 @@ and select it with ``--config.rl.advantage=median_baseline``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
+from mtrl_jax.rl.registry import Registry
+
 EPS = 1e-6
 
-
-class AdvantageFn(Protocol):
-    def __call__(self, rewards: jnp.ndarray, group_size: int, **options) -> jnp.ndarray: ...
-
-
-_REGISTRY: dict[str, AdvantageFn] = {}
-
-
-def register(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator registering ``fn(rewards [P*G], group_size, **options) -> [P*G]`` under ``name``."""
-
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
-        if name in _REGISTRY:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+# fn(rewards [P*G], group_size (static int), loss_mask [P*G, T], **options) -> advantages [P*G]
+ESTIMATORS = Registry("advantage estimator", ("rewards", "group_size", "loss_mask"))
+register = ESTIMATORS.register
+names = ESTIMATORS.names
+get = ESTIMATORS.get
 
 
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> AdvantageFn:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {names()}") from None
-
-
-def compute(name: str, rewards: jnp.ndarray, group_size: int, **options) -> jnp.ndarray:
+def compute(name: str, rewards: jnp.ndarray, group_size: int, loss_mask=None, **options) -> jnp.ndarray:
     """Advantages ``[P*G]`` float32 of ``rewards [P*G]`` with the estimator registered as ``name``.
 
-    ``group_size`` is static (a Python int); the function is jit-compatible.
+    ``group_size`` is static (a Python int); the function is jit-compatible. ``loss_mask [P*G, T]``
+    is the batch's loss mask; without one every trajectory counts as a single sampled token.
     """
-    fn = get(name)
     chex.assert_rank(rewards, 1)
     if group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(
             f"rewards of length {rewards.shape[0]} do not split into groups of size {group_size}"
         )
     rewards = jnp.asarray(rewards, jnp.float32)
-    adv = fn(rewards, group_size, **options)
+    loss_mask = jnp.ones((rewards.shape[0], 1), jnp.float32) if loss_mask is None else jnp.asarray(loss_mask, jnp.float32)
+    chex.assert_rank(loss_mask, 2)
+    chex.assert_equal(loss_mask.shape[0], rewards.shape[0])
+    adv = ESTIMATORS(name, rewards, group_size, loss_mask, **options)
     chex.assert_shape(adv, rewards.shape)
     return adv.astype(jnp.float32)
 
 
 def _groups(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
-    return rewards.reshape(-1, group_size)
+    """``[P, G]`` rewards shifted by their group's max. Every estimator here is shift-invariant, and
+    after the shift an all-equal group is exactly zero, so its mean, std and advantages are exactly 0
+    in float32 (the float32 mean of G copies of 0.7 is not 0.7, and ``/ (std + 1e-6)`` would amplify
+    the one-ulp difference into advantages of +-0.1)."""
+    groups = rewards.reshape(-1, group_size)
+    return groups - groups.max(axis=1, keepdims=True)
 
 
 @register("grpo")
-def grpo(rewards: jnp.ndarray, group_size: int, scale: str = "group") -> jnp.ndarray:
+def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: str = "group") -> jnp.ndarray:
     """GRPO (Shao et al. 2024): ``(r - mean_g) / (std_g + 1e-6)``, unbiased std (ddof=1).
 
     ``scale="batch"`` divides by the std of the whole batch (mean still per group);
@@ -102,13 +87,13 @@ def grpo(rewards: jnp.ndarray, group_size: int, scale: str = "group") -> jnp.nda
 
 
 @register("dr_grpo")
-def dr_grpo(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
+def dr_grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray) -> jnp.ndarray:
     """Dr.GRPO: GRPO without the std division (alias of ``grpo`` with ``scale="none"``)."""
-    return grpo(rewards, group_size, scale="none")
+    return grpo(rewards, group_size, loss_mask, scale="none")
 
 
 @register("rloo")
-def rloo(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
+def rloo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray) -> jnp.ndarray:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``."""
     if group_size == 1:
         return jnp.zeros_like(rewards)
@@ -139,7 +124,7 @@ def passk_weights(group_size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @register("grpo_passk")
-def grpo_passk(rewards: jnp.ndarray, group_size: int, k: int = 2) -> jnp.ndarray:
+def grpo_passk(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, k: int = 2) -> jnp.ndarray:
     """GRPO advantage of the best-of-k reward, averaged over the k-subsets containing each sample.
 
     Chen et al. 2025 ("Pass@k Training"), extended to continuous rewards as in ALGORITHMS.md:
@@ -151,11 +136,10 @@ def grpo_passk(rewards: jnp.ndarray, group_size: int, k: int = 2) -> jnp.ndarray
     w_np, s_np = passk_weights(group_size, k)
     w = jnp.asarray(w_np, jnp.float32)
     s = jnp.asarray(s_np, jnp.float32)
+    # Shifted by the group max (``_groups``), the degenerate case (every k-subset has the same max,
+    # sigma = 0) is exactly 0 in float32: the samples below the max then only ever meet zero
+    # weights. The two-pass variance avoids cancellation.
     groups = _groups(rewards, group_size)
-    # The estimator is shift-invariant. Shifting by the group max makes the degenerate case
-    # (every k-subset has the same max, sigma = 0) exactly 0 in float32: the samples below the
-    # max then only ever meet zero weights. The two-pass variance avoids cancellation.
-    groups = groups - groups.max(axis=1, keepdims=True)
     order = jnp.argsort(groups, axis=1)
     sorted_g = jnp.take_along_axis(groups, order, axis=1)
     mu = sorted_g @ w
@@ -167,19 +151,17 @@ def grpo_passk(rewards: jnp.ndarray, group_size: int, k: int = 2) -> jnp.ndarray
 
 
 @register("reinforce_pp_baseline")
-def reinforce_pp_baseline(rewards: jnp.ndarray, group_size: int, mask: jnp.ndarray) -> jnp.ndarray:
+def reinforce_pp_baseline(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray) -> jnp.ndarray:
     """REINFORCE++ with a group baseline (Hu 2025): ``r - mean_g``, whitened over valid tokens.
 
-    ``mask [B, T]`` is required: each trajectory's advantage is weighted by its number of valid
+    Each trajectory's advantage is weighted by its number of valid
     tokens in the batch mean and (population) std, exactly as whitening the ``[B, T]`` token
     advantages would. Returns ``[B]``; rows without valid tokens get the whitened value too but
     carry no loss. An all-zero mask returns the centred rewards unscaled.
     """
-    chex.assert_rank(mask, 2)
-    chex.assert_equal(mask.shape[0], rewards.shape[0])
     groups = _groups(rewards, group_size)
     centred = (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
-    counts = mask.astype(jnp.float32).sum(axis=1)
+    counts = loss_mask.sum(axis=1)
     n = counts.sum()
     safe_n = jnp.maximum(n, 1.0)
     mean = (centred * counts).sum() / safe_n

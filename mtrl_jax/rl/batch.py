@@ -1,19 +1,23 @@
-"""``TrajectoryBatch``: trajectories as padded ``[B, T]`` device arrays, ``T`` bucketed."""
+"""``TrajectoryBatch``: trajectories as padded ``[B, T]`` arrays, ``T`` bucketed; the one pad/bucket helper."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
+import flax.struct
 import numpy as np
 
 
-class TrajectoryBatch(NamedTuple):
+@flax.struct.dataclass
+class TrajectoryBatch:
+    """A pytree of arrays; ``group_size`` is static (the batch is ``P x G``, groups contiguous)."""
+
     tokens: np.ndarray  # [B, T] int32, right-padded
     attention_mask: np.ndarray  # [B, T] int32, 1 = real token
     loss_mask: np.ndarray  # [B, T] float32, 1 = sampled by the policy
     behav_logp: np.ndarray  # [B, T] float32, 0 off the loss mask
     reward: np.ndarray  # [B] float32
-    group_size: int  # the batch is P x G, groups contiguous
+    group_size: int = flax.struct.field(pytree_node=False, default=1)
 
     @property
     def shape(self):
@@ -21,7 +25,16 @@ class TrajectoryBatch(NamedTuple):
 
 
 def bucket(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (at least one multiple)."""
     return max(multiple, -(-length // multiple) * multiple)
+
+
+def pad_rows(sequences: Sequence[Sequence], length: int, dtype, fill=0) -> np.ndarray:
+    """``[len(sequences), length]`` array, each sequence right-padded with ``fill``."""
+    out = np.full((len(sequences), length), fill, dtype)
+    for i, seq in enumerate(sequences):
+        out[i, :len(seq)] = seq
+    return out
 
 
 def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128, pad_id: int = 0) -> TrajectoryBatch:
@@ -29,15 +42,11 @@ def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128
     multiple of ``length_bucket`` so the train step compiles a few shapes, not one per batch."""
     if not trajectories or len(trajectories) % group_size:
         raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
-    B = len(trajectories)
     T = bucket(max(len(t.tokens) for t in trajectories), length_bucket)
-    tokens = np.full((B, T), pad_id, np.int32)
-    attention = np.zeros((B, T), np.int32)
-    loss_mask = np.zeros((B, T), np.float32)
-    behav = np.zeros((B, T), np.float32)
-    for b, t in enumerate(trajectories):
-        n = len(t.tokens)
-        tokens[b, :n], attention[b, :n] = t.tokens, 1
-        loss_mask[b, :n], behav[b, :n] = t.loss_mask, t.behav_logp
-    reward = np.array([t.reward for t in trajectories], np.float32)
-    return TrajectoryBatch(tokens, attention, loss_mask, behav, reward, group_size)
+    return TrajectoryBatch(
+        tokens=pad_rows([t.tokens for t in trajectories], T, np.int32, pad_id),
+        attention_mask=pad_rows([[1] * len(t.tokens) for t in trajectories], T, np.int32),
+        loss_mask=pad_rows([t.loss_mask for t in trajectories], T, np.float32),
+        behav_logp=pad_rows([t.behav_logp for t in trajectories], T, np.float32),
+        reward=np.array([t.reward for t in trajectories], np.float32),
+        group_size=group_size)

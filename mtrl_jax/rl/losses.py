@@ -19,45 +19,24 @@ and select it with ``--config.rl.loss=reinforce``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from typing import NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from mtrl_jax.rl.registry import Registry
+
 LOG_RATIO_CLIP = 20.0
 
 
-class LossFn(Protocol):
-    def __call__(
-        self, logp: jnp.ndarray, old_logp: jnp.ndarray, advantages: jnp.ndarray, mask: jnp.ndarray, **options
-    ) -> tuple[jnp.ndarray, dict]: ...
+LOSSES = Registry("loss", ("logp", "old_logp", "advantages", "mask"))
+KL_ESTIMATORS = Registry("KL estimator", ("logp", "ref_logp"))
+AGGREGATIONS = Registry("aggregation mode", ("per_token_loss", "mask", "norms"))
 
-
-_REGISTRY: dict[str, LossFn] = {}
-
-
-def register(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator registering a per-token policy loss under ``name``."""
-
-    def wrap(fn: LossFn) -> LossFn:
-        if name in _REGISTRY:
-            raise ValueError(f"loss {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get(name: str) -> LossFn:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; registered: {names()}") from None
+register = LOSSES.register
+names = LOSSES.names
+get = LOSSES.get
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -205,10 +184,9 @@ def compute(
     recomputed by the trainer), the loss is multiplied by the truncated IS weight
     ``min(exp(old_logp - behav_logp), tis_cap)`` and its mean/max are reported.
     """
-    fn = get(name)
     logp, old_logp, advantages, mask = _check(logp, old_logp, advantages, mask)
     advantages = jnp.broadcast_to(advantages, logp.shape)
-    loss, metrics = fn(logp, old_logp, advantages, mask, **options)
+    loss, metrics = LOSSES(name, logp, old_logp, advantages, mask, **options)
     chex.assert_equal_shape([loss, logp])
     if behav_logp is not None:
         chex.assert_equal_shape([behav_logp, logp])
@@ -218,7 +196,49 @@ def compute(
     return loss * mask, metrics
 
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+class Normalisers(NamedTuple):
+    """Counts an aggregation divides by. ``None`` means "of this (micro-)batch"; pass the *mini-batch*
+    counts under gradient accumulation so the sum over micro-batches equals the mini-batch value."""
+
+    num_tokens: Optional[jnp.ndarray] = None  # valid tokens (token-mean)
+    num_seqs: Optional[jnp.ndarray] = None  # rows with a valid token (seq-mean-*)
+    num_rows: Optional[int] = None  # all rows B (seq-mean-token-sum-norm)
+    norm_len: Optional[int] = None  # the configured max response length (seq-mean-token-sum-norm)
+
+
+def _row_counts(mask, norms: Normalisers):
+    row_tokens = mask.sum(axis=1)
+    valid_rows = (row_tokens > 0).astype(jnp.float32)
+    seqs = valid_rows.sum() if norms.num_seqs is None else norms.num_seqs
+    return row_tokens, valid_rows, seqs
+
+
+@AGGREGATIONS.register("token-mean")
+def token_mean(loss, mask, norms: Normalisers):
+    denom = mask.sum() if norms.num_tokens is None else norms.num_tokens
+    return loss.sum() / jnp.maximum(denom, 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(loss, mask, norms: Normalisers):
+    row_tokens, valid_rows, seqs = _row_counts(mask, norms)
+    row_loss = loss.sum(axis=1) / jnp.maximum(row_tokens, 1.0)
+    return (row_loss * valid_rows).sum() / jnp.maximum(seqs, 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum")
+def seq_mean_token_sum(loss, mask, norms: Normalisers):
+    _, _, seqs = _row_counts(mask, norms)
+    return loss.sum() / jnp.maximum(seqs, 1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss, mask, norms: Normalisers):
+    """Dr.GRPO's constant normaliser: ``sum(L * mask) / (B * norm_len)``."""
+    if norms.norm_len is None:
+        raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (max response length)")
+    rows = loss.shape[0] if norms.num_rows is None else norms.num_rows
+    return loss.sum() / (rows * norms.norm_len)
 
 
 def aggregate(
@@ -231,46 +251,35 @@ def aggregate(
     num_seqs: Optional[jnp.ndarray] = None,
     num_rows: Optional[int] = None,
 ) -> jnp.ndarray:
-    """Reduce ``per_token_loss [B, T]`` to a scalar (ALGORITHMS.md "Aggregation").
-
-    For gradient accumulation pass the *mini-batch* normalisers so that the sum over
-    micro-batches equals the mini-batch value: ``num_tokens`` (valid tokens, token-mean),
-    ``num_seqs`` (rows with a valid token, seq-mean-*), ``num_rows`` (all rows ``B``,
-    seq-mean-token-sum-norm). An all-zero mask gives 0, never NaN.
-    """
+    """Reduce ``per_token_loss [B, T]`` to a scalar with the aggregation mode ``mode``
+    (ALGORITHMS.md "Aggregation"). An all-zero mask gives 0, never NaN."""
     chex.assert_equal_shape([per_token_loss, mask])
     maskf = mask.astype(jnp.float32)
     loss = per_token_loss.astype(jnp.float32) * maskf
-    if mode == "token-mean":
-        denom = maskf.sum() if num_tokens is None else num_tokens
-        return loss.sum() / jnp.maximum(denom, 1.0)
-    row_tokens = maskf.sum(axis=1)
-    valid_rows = (row_tokens > 0).astype(jnp.float32)
-    seqs = valid_rows.sum() if num_seqs is None else num_seqs
-    if mode == "seq-mean-token-mean":
-        row_loss = loss.sum(axis=1) / jnp.maximum(row_tokens, 1.0)
-        return (row_loss * valid_rows).sum() / jnp.maximum(seqs, 1.0)
-    if mode == "seq-mean-token-sum":
-        return loss.sum() / jnp.maximum(seqs, 1.0)
-    if mode == "seq-mean-token-sum-norm":
-        if norm_len is None:
-            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (max response length)")
-        rows = loss.shape[0] if num_rows is None else num_rows
-        return loss.sum() / (rows * norm_len)
-    raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {AGGREGATION_MODES}")
+    return AGGREGATIONS(mode, loss, maskf, Normalisers(num_tokens, num_seqs, num_rows, norm_len))
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+def _log_difference(logp, ref_logp):
+    chex.assert_equal_shape([logp, ref_logp])
+    return jnp.asarray(logp, jnp.float32) - jnp.asarray(ref_logp, jnp.float32)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp, ref_logp):
+    return _log_difference(logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp, ref_logp):
+    return 0.5 * _log_difference(logp, ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp, ref_logp):
+    d = _log_difference(logp, ref_logp)
+    return jnp.clip(jnp.exp(jnp.clip(-d, -20.0, 20.0)) + d - 1.0, -10.0, 10.0)
 
 
 def kl(name: str, logp: jnp.ndarray, ref_logp: jnp.ndarray) -> jnp.ndarray:
     """Per-token KL estimate ``[B, T]`` of the policy from the reference (Schulman 2020 k1/k2/k3)."""
-    chex.assert_equal_shape([logp, ref_logp])
-    d = jnp.asarray(logp, jnp.float32) - jnp.asarray(ref_logp, jnp.float32)
-    if name == "k1":
-        return d
-    if name == "k2":
-        return 0.5 * d**2
-    if name == "k3":
-        return jnp.clip(jnp.exp(jnp.clip(-d, -20.0, 20.0)) + d - 1.0, -10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {name!r}; expected one of {KL_ESTIMATORS}")
+    return KL_ESTIMATORS(name, logp, ref_logp)

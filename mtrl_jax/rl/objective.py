@@ -27,12 +27,14 @@ class ObjectiveConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
 
-    def __post_init__(self):
-        losses.get(self.loss)  # fail early on a typo
-        if self.aggregation not in losses.AGGREGATION_MODES:
-            raise ValueError(f"rl.aggregation: unknown mode {self.aggregation!r}; expected {losses.AGGREGATION_MODES}")
-        if self.kl_estimator not in losses.KL_ESTIMATORS:
-            raise ValueError(f"rl.kl_estimator: unknown {self.kl_estimator!r}; expected {losses.KL_ESTIMATORS}")
+    def __post_init__(self):  # fail on a typo before anything is compiled, naming the config field
+        for field, registry, name in (("rl.loss", losses.LOSSES, self.loss), ("rl.aggregation", losses.AGGREGATIONS, self.aggregation),
+                                      ("rl.kl_estimator", losses.KL_ESTIMATORS, self.kl_estimator)):
+            if name not in registry:
+                raise ValueError(f"{field}: unknown {registry.kind} {name!r}; registered: {registry.names()}")
+        losses.LOSSES.check_options(self.loss, dict(self.loss_options), "rl.loss_options")
+        if self.aggregation == "seq-mean-token-sum-norm" and not self.norm_len:
+            raise ValueError("rl.aggregation: 'seq-mean-token-sum-norm' needs norm_len (the max response length)")
 
 
 def objective(

@@ -1,27 +1,29 @@
-"""The jitted policy update over a ``TrajectoryBatch``.
+"""The policy update: one jitted function over the train state and a whole trajectory batch.
 
-One call to ``Updater.update`` does ``update_epochs`` passes over the batch, each split into
-``mini_batches`` optimizer steps; each mini-batch is accumulated over ``micro_batches`` with a
-``lax.scan``, normalised by the mini-batch's token / sequence / row counts so accumulation gives
-the same gradient as one large batch. ``old_logp`` is recomputed once per batch with the
-parameters before the update (or taken from the sampler, ``old_logp="behaviour"``).
+``update_step`` reads like purejaxrl's ``_update_epoch``: it computes the group advantages,
+recomputes ``old_logp`` (and the KL reference's log-probs) with the parameters before the update,
+draws the mini-batch order from a split of ``TrainState.rng``, and runs one ``lax.scan`` over
+``update_epochs x mini_batches`` optimizer steps. Each optimizer step accumulates its gradient over
+``micro_batches`` with an inner ``lax.scan``, normalised by the mini-batch's token / sequence / row
+counts, so accumulation gives the same gradient as one large batch. A step whose loss or gradient
+norm is not finite is skipped: parameters and optimizer state stay as they were, and it is counted.
+Metrics come back as device scalars; the caller fetches them once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.transformer import forward, head_kernel
 from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
-from mtrl_jax.rl.logprobs import token_logprobs
+from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
 
 
@@ -29,7 +31,7 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     step: jax.Array  # int32: optimizer steps taken
-    rng: jax.Array
+    rng: jax.Array  # split once per update for the mini-batch order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +47,23 @@ class UpdateConfig:
     logprob_chunk: int = 512
 
     def __post_init__(self):
-        advantages_lib.get(self.advantage)
+        if self.advantage not in advantages_lib.ESTIMATORS:
+            raise ValueError(f"rl.advantage: unknown advantage estimator {self.advantage!r}; "
+                             f"registered: {advantages_lib.names()}")
+        advantages_lib.ESTIMATORS.check_options(self.advantage, dict(self.advantage_options), "rl.advantage_options")
         if self.old_logp not in ("recompute", "behaviour"):
             raise ValueError(f"rl.old_logp must be 'recompute' or 'behaviour', got {self.old_logp!r}")
+        for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"rl.{field} must be >= 1, got {getattr(self, field)}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature: training log-probs are of logits / temperature, so it must be > 0, "
+                             f"got {self.temperature}")
+
+    @property
+    def rows_per_micro_batch_divisor(self) -> int:
+        """The batch's row count must be a multiple of this."""
+        return self.mini_batches * self.micro_batches
 
 
 def make_optimizer(learning_rate: float, total_steps: int, schedule: str = "constant", warmup_steps: int = 0,
@@ -63,95 +79,109 @@ def make_optimizer(learning_rate: float, total_steps: int, schedule: str = "cons
     return optax.chain(*parts, optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
-def sequence_logp(model_cfg: ModelConfig, params, tokens, attention_mask, temperature, chunk):
-    """``(logp, entropy)`` ``[B, T]`` of each token given its prefix (column 0 is 0)."""
-    hidden, _ = forward(model_cfg, params, tokens, attention_mask)
-    logp, entropy = token_logprobs(hidden[:, :-1], head_kernel(model_cfg, params), tokens[:, 1:], temperature, chunk)
-    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
-    return jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, entropy], 1)
+def init_state(tx: optax.GradientTransformation, params, rng) -> TrainState:
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), rng)
+
+
+def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_batches: int) -> jax.Array:
+    """``[update_epochs * mini_batches, batch_size // mini_batches]`` int32 row indices: optimizer step
+    ``s`` trains on rows ``order[s]``. Each epoch is a fresh permutation of all rows (one key per
+    epoch, split from ``key``); with a single mini-batch the rows stay in order."""
+    if batch_size % mini_batches:
+        raise ValueError(f"batch of {batch_size} trajectories does not split into {mini_batches} mini-batches")
+    if mini_batches == 1:
+        order = jnp.tile(jnp.arange(batch_size, dtype=jnp.int32), (update_epochs, 1))
+    else:
+        order = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(jax.random.split(key, update_epochs))
+    return order.reshape(update_epochs * mini_batches, batch_size // mini_batches).astype(jnp.int32)
+
+
+def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
+    return values.max() if name.endswith(("_max", "_max_dev")) else values.mean()
+
+
+def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTransformation, state: TrainState,
+                batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
+    """All optimizer steps for one batch of ``P x G`` trajectories (``batch``'s arrays ``[B, T]`` /
+    ``[B]``); returns the new state and device scalar metrics. Jit it with ``model_cfg``, ``cfg``,
+    ``tx`` and ``batch.group_size`` static (``Updater`` does)."""
+    B = batch.tokens.shape[0]
+    if B % cfg.rows_per_micro_batch_divisor:
+        raise ValueError(f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
+                         f"x {cfg.micro_batches} micro-batches")
+    obj = cfg.objective
+    logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk)
+    loss_mask = batch.loss_mask.astype(jnp.float32)
+    adv = advantages_lib.compute(cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options))
+    if cfg.old_logp == "recompute":
+        old_logp = jax.lax.stop_gradient(logprobs(state.params, batch.tokens, batch.attention_mask)[0])
+    else:
+        old_logp = batch.behav_logp
+    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
+            "behav_logp": batch.behav_logp, "old_logp": old_logp, "adv": adv}
+    if obj.kl_coef:
+        if ref_params is None:
+            raise ValueError("rl.kl_coef > 0 needs the reference parameters")
+        data["ref_logp"] = jax.lax.stop_gradient(logprobs(ref_params, batch.tokens, batch.attention_mask)[0])
+    rng, order_key = jax.random.split(state.rng)
+    order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
+
+    def micro_loss(params, micro, norms):
+        logp, entropy = logprobs(params, micro["tokens"], micro["attention_mask"])
+        return objective(obj, logp, micro["old_logp"], micro["adv"], micro["loss_mask"], entropy=entropy,
+                         behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
+                         ref_logp=micro.get("ref_logp"), **norms)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def optimizer_step(carry, rows):
+        params, opt_state, step, skipped = carry
+        mb = jax.tree.map(lambda x: x[rows], data)
+        mask = mb["loss_mask"]
+        norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
+        micro = jax.tree.map(lambda x: x.reshape(cfg.micro_batches, -1, *x.shape[1:]), mb)
+
+        def accumulate(grads, micro_batch):
+            (_, metrics), g = grad_fn(params, micro_batch, norms)
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro)
+        metrics = {k: _mean_or_max(k, v) for k, v in micro_metrics.items()}
+        # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
+        for key in ("loss", "pg_loss", "kl", "entropy"):
+            if key in metrics:
+                metrics[key] = micro_metrics[key].sum()
+        metrics["grad_norm"] = optax.global_norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        carry = (keep(new_params, params), keep(new_opt_state, opt_state), step + finite.astype(jnp.int32),
+                 skipped + (~finite).astype(jnp.int32))
+        return carry, metrics
+
+    init = (state.params, state.opt_state, state.step, jnp.zeros((), jnp.int32))
+    (params, opt_state, step, skipped), history = jax.lax.scan(optimizer_step, init, order)
+    metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
+    metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
+    metrics["skipped_steps"] = skipped
+    metrics["behav_logp_max_abs_dev"] = jnp.max(jnp.abs(old_logp - batch.behav_logp) * loss_mask)
+    metrics["advantage_mean"] = adv.mean()
+    metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
+    return TrainState(params, opt_state, step, rng), metrics
 
 
 class Updater:
+    """``update_step`` jitted for one model, update config and optimizer."""
+
     def __init__(self, model_cfg: ModelConfig, config: UpdateConfig, tx: optax.GradientTransformation):
         self.model_cfg, self.config, self.tx = model_cfg, config, tx
-        chunk = config.logprob_chunk
-        self._logp = jax.jit(lambda params, tokens, mask: sequence_logp(model_cfg, params, tokens, mask, config.temperature, chunk))
-        self._advantages = jax.jit(self._compute_advantages, static_argnums=(2,))
-        self._step = jax.jit(self._minibatch_step)
+        self._update = jax.jit(functools.partial(update_step, model_cfg, config, tx))
 
     def init_state(self, params, rng) -> TrainState:
-        return TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32), rng)
+        return init_state(self.tx, params, rng)
 
-    def _compute_advantages(self, reward, loss_mask, group_size):
-        options = dict(self.config.advantage_options)
-        if self.config.advantage == "reinforce_pp_baseline":
-            options["mask"] = loss_mask
-        return advantages_lib.compute(self.config.advantage, reward, group_size, **options)
+    def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
+        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""
+        return self._update(state, batch, ref_params)
 
-    def token_logp(self, params, batch: TrajectoryBatch):
-        return self._logp(params, batch.tokens, batch.attention_mask)
-
-    def _micro_loss(self, params, mb, norms):
-        cfg = self.config
-        logp, entropy = sequence_logp(self.model_cfg, params, mb["tokens"], mb["attention_mask"], cfg.temperature, cfg.logprob_chunk)
-        return objective(cfg.objective, logp, mb["old_logp"], mb["adv"], mb["loss_mask"], entropy=entropy,
-                         behav_logp=mb["behav_logp"] if cfg.old_logp == "recompute" else None,
-                         ref_logp=mb.get("ref_logp"), **norms)
-
-    def _minibatch_step(self, state: TrainState, mb: dict):
-        """One optimizer step on a mini-batch ``mb`` of ``[R, T]`` arrays, accumulated over micro-batches."""
-        n_micro = self.config.micro_batches
-        mask = mb["loss_mask"]
-        norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
-        micro = jax.tree.map(lambda x: x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:]), mb)
-        grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
-
-        def body(grads, micro_batch):
-            (_, metrics), g = grad_fn(state.params, micro_batch, norms)
-            return jax.tree.map(jnp.add, grads, g), metrics
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, metrics = jax.lax.scan(body, zeros, micro)
-        metrics = {k: (v.max() if k.endswith(("_max", "_max_dev")) else v.mean()) for k, v in metrics.items()}
-        # additive terms were normalised by mini-batch counts, so the scan's sum is the mini-batch value
-        for key in ("loss", "pg_loss", "kl", "entropy"):
-            if key in metrics:
-                metrics[key] = metrics[key] * n_micro
-        metrics["grad_norm"] = optax.global_norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
-
-    def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None, seed: int = 0):
-        """All optimizer steps for one batch; returns the new state and host metrics."""
-        cfg = self.config
-        B = batch.tokens.shape[0]
-        if B % (cfg.mini_batches * cfg.micro_batches):
-            raise ValueError(f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
-                             f"x {cfg.micro_batches} micro-batches")
-        adv = self._advantages(jnp.asarray(batch.reward), jnp.asarray(batch.loss_mask), batch.group_size)
-        if cfg.old_logp == "recompute":
-            old_logp, _ = self.token_logp(state.params, batch)
-        else:
-            old_logp = jnp.asarray(batch.behav_logp)
-        arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
-                  "behav_logp": batch.behav_logp, "old_logp": old_logp, "adv": adv}
-        if cfg.objective.kl_coef:
-            arrays["ref_logp"] = self.token_logp(ref_params, batch)[0]
-        arrays = {k: np.asarray(v) for k, v in arrays.items()}  # one device-to-host copy, not one per mini-batch
-        mask = batch.loss_mask
-        behav_dev = float(np.max(np.abs(arrays["old_logp"] - batch.behav_logp) * mask)) if mask.any() else 0.0
-        history = []
-        rng = np.random.default_rng(seed)
-        for _ in range(cfg.update_epochs):
-            order = rng.permutation(B) if cfg.mini_batches > 1 else np.arange(B)
-            for part in np.split(order, cfg.mini_batches):
-                mb = {k: jnp.asarray(v[part]) for k, v in arrays.items()}
-                state, metrics = self._step(state, mb)
-                history.append(metrics)
-        metrics = {k: float(np.mean([np.asarray(m[k]) for m in history])) for k in history[0]}
-        metrics["first_minibatch_ratio_max_dev"] = float(history[0]["ratio_max_dev"])
-        metrics["behav_logp_max_abs_dev"] = behav_dev
-        metrics["advantage_mean"] = float(np.mean(arrays["adv"]))
-        metrics["advantage_abs_mean"] = float(np.mean(np.abs(arrays["adv"])))
-        return state, metrics

@@ -9,10 +9,8 @@ and the rendered environment replies, concatenated.
 
 Every sampled token records the parameter version that produced it; ``params_source()`` is asked
 for the latest ``(params, version)`` before each device call, so new parameters published by the
-trainer are picked up mid-episode.
-
-``AsyncRollouts`` runs the collector in a background thread, ahead of the trainer by at most
-``max_staleness`` parameter versions.
+trainer are picked up mid-episode (``rollout.staleness.PublishedParams``). The episode itself
+(rendering, the environment's replies, the context limit) is the one ``EpisodeDriver``'s.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import queue
-import threading
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -30,7 +26,7 @@ import numpy as np
 from mtrl_jax.chat import ChatFormat
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.rollout import sampler as S
-from mtrl_jax.rollout.env import Environment
+from mtrl_jax.rollout.interfaces import Environment, EpisodeDriver, EpisodeRun
 from mtrl_jax.rollout.trajectory import Trajectory
 
 
@@ -69,11 +65,9 @@ class _Inline:
 @dataclasses.dataclass
 class _Slot:
     request: EpisodeRequest
-    episode: object
-    traj: Trajectory
+    run: EpisodeRun
     phase: str  # "extend" | "decode" | "tool"
     block: list = dataclasses.field(default_factory=list)
-    turn_tokens: list = dataclasses.field(default_factory=list)
     future: object = None
     fresh: bool = True
 
@@ -82,11 +76,11 @@ class Collector:
     def __init__(self, model_cfg: ModelConfig, chat: ChatFormat, env: Environment, config: CollectorConfig,
                  params_source: Callable[[], tuple[object, int]]):
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
+        self.driver = EpisodeDriver(env, chat, config.max_len)
         self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn))
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
-        self.stats = collections.Counter()
 
     def close(self):
         if self.pool is not None:
@@ -104,39 +98,24 @@ class Collector:
         order: dict[int, int] = {}
         state = self.sampler.init()
 
-        def finish(i: int):
-            slot = slots[i]
-            ep, traj = slot.episode, slot.traj
-            traj.turns, traj.reward, traj.status = ep.turns, ep.reward, ep.status
-            traj.final_ranking, traj.counters = list(ep.final_ranking or []), dict(ep.counters)
-            results[order[i]] = traj
-            slots[i] = None
-            self.stats["episodes"] += 1
-            self.stats[f"status/{traj.status}"] += 1
+        def release_if_done(i: int):
+            if slots[i].run.done:
+                results[order[i]] = slots[i].run.trajectory
+                slots[i] = None
 
         def receive(i: int, step_result):
             slot = slots[i]
-            if step_result.done:
-                return finish(i)
-            block = self.chat.continuation(step_result.messages)
-            if len(slot.traj.tokens) + len(block) + 1 > cfg.max_len:
-                self.env.fail(slot.episode, "context_limit")
-                return finish(i)
-            slot.traj.append(block, sampled=False)
-            slot.block, slot.phase = block, "extend"
+            slot.block = self.driver.receive(slot.run, step_result)
+            slot.phase = "extend"
+            release_if_done(i)
 
         while pending or any(slots):
             for i in range(cfg.slots):  # refill free slots
                 while slots[i] is None and pending:
                     index, req = pending.popleft()
-                    episode, messages = self.env.reset(req.task)
-                    prompt = self.chat.prompt(messages)
-                    traj = Trajectory(req.task.task_id, req.group_id, req.sample_index, prompt_len=len(prompt))
-                    traj.append(prompt, sampled=False)
-                    slots[i], order[i] = _Slot(req, episode, traj, "extend", block=prompt), index
-                    if len(prompt) + 1 > cfg.max_len:
-                        self.env.fail(episode, "context_limit")
-                        finish(i)
+                    run, prompt = self.driver.begin(req.task, req.group_id, req.sample_index)
+                    slots[i], order[i] = _Slot(req, run, "extend", block=prompt), index
+                    release_if_done(i)
 
             for i, slot in enumerate(slots):  # collect finished tool calls
                 if slot is not None and slot.phase == "tool" and slot.future.done():
@@ -149,104 +128,34 @@ class Collector:
                     state = self.sampler.reset_rows(state, fresh)
                 blocks = [s.block if s is not None and s.phase == "extend" else [] for s in slots]
                 state = self.sampler.extend(params, state, blocks)
-                self.stats["extend_calls"] += 1
                 for s in slots:
                     if s is not None and s.phase == "extend":
-                        s.phase, s.block, s.fresh, s.turn_tokens = "decode", [], False, []
+                        s.phase, s.block, s.fresh = "decode", [], False
 
             decoding = [s is not None and s.phase == "decode" for s in slots]
             if any(decoding):
                 params, version = self.params_source()
                 keys = [s.request.key if s is not None else jax.random.PRNGKey(0) for s in slots]
-                budget = [cfg.max_tokens_per_turn - len(s.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
+                budget = [cfg.max_tokens_per_turn - len(s.run.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
                 state, out = self.sampler.decode(params, state, jax.numpy.stack(keys), [cfg.temperature] * cfg.slots,
                                                  [cfg.top_p] * cfg.slots, self.stop_tokens, decoding, budget)
-                self.stats["decode_calls"] += 1
                 tokens, logp = np.asarray(out.tokens), np.asarray(out.logp)
                 num, reason = np.asarray(out.num_tokens), np.asarray(out.stop_reason)
                 for i, slot in enumerate(slots):
                     if not decoding[i]:
                         continue
                     n = int(num[i])
-                    slot.traj.append(tokens[i, :n], sampled=True, logp=logp[i, :n], version=version)
-                    slot.turn_tokens += tokens[i, :n].tolist()
-                    self.stats["sampled_tokens"] += n
+                    self.driver.add_sampled(slot.run, tokens[i, :n], logp[i, :n], version)
                     if reason[i] == S.STOP_TOKEN:
                         slot.phase = "tool"
-                        slot.future = self._submit(self.env.step, slot.episode, self.chat.turn_text(slot.turn_tokens))
+                        slot.future = self._submit(self.driver.act, slot.run)
                     elif reason[i] == S.CACHE_FULL:
-                        self.env.fail(slot.episode, "context_limit")
-                        finish(i)
-                    elif len(slot.turn_tokens) >= cfg.max_tokens_per_turn:
-                        receive(i, self.env.step(slot.episode, self.chat.turn_text(slot.turn_tokens), True))
+                        self.driver.fail(slot.run, "context_limit")
+                        release_if_done(i)
+                    elif len(slot.run.turn_tokens) >= cfg.max_tokens_per_turn:
+                        receive(i, self.driver.act(slot.run, hit_token_limit=True))
             elif any(s is not None and s.phase == "tool" for s in slots):
                 futures = [s.future for s in slots if s is not None and s.phase == "tool"]
                 if not any(f.done() for f in futures):
                     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
         return [results[i] for i in range(len(requests))]
-
-
-def filter_stale(groups: Sequence[Sequence[Trajectory]], trainer_version: int, max_staleness: int):
-    """Split groups into (fresh, stale): a group is stale when any of its sampled tokens is more
-    than ``max_staleness`` parameter versions older than the trainer's."""
-    fresh, stale = [], []
-    for group in groups:
-        versions = [t.min_version() for t in group if t.min_version() is not None]
-        oldest = min(versions) if versions else trainer_version
-        (stale if trainer_version - oldest > max_staleness else fresh).append(group)
-    return fresh, stale
-
-
-class AsyncRollouts:
-    """Runs ``collect(step)`` for steps ``start, start+1, ...`` in a background thread.
-
-    Batch ``step`` starts only once the trainer has published version ``>= step - max_staleness``,
-    so generation overlaps training by at most ``max_staleness`` versions, and with
-    ``max_staleness = 0`` every batch is generated entirely by the parameters it is trained from.
-    """
-
-    def __init__(self, collect: Callable[[int], list], start_step: int, max_staleness: int, initial_version: int):
-        self.collect, self.max_staleness = collect, max_staleness
-        self.version = initial_version
-        self.cond = threading.Condition()
-        self.out: queue.Queue = queue.Queue(maxsize=max_staleness + 1)
-        self.error: Optional[BaseException] = None
-        self.stopped = False
-        self.thread = threading.Thread(target=self._loop, args=(start_step,), daemon=True, name="rollouts")
-        self.thread.start()
-
-    def _loop(self, step: int):
-        try:
-            while True:
-                with self.cond:
-                    self.cond.wait_for(lambda: self.stopped or self.version >= step - self.max_staleness)
-                    if self.stopped:
-                        return
-                batch = self.collect(step)
-                while not self.stopped:
-                    try:
-                        self.out.put((step, batch), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                step += 1
-        except BaseException as e:  # surfaced to the trainer by get()
-            self.error = e
-            self.out.put((None, None))
-
-    def publish(self, version: int):
-        with self.cond:
-            self.version = version
-            self.cond.notify_all()
-
-    def get(self):
-        step, batch = self.out.get()
-        if self.error is not None:
-            raise RuntimeError("rollout thread failed") from self.error
-        return step, batch
-
-    def stop(self):
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        self.thread.join(timeout=60)

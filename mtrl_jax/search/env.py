@@ -1,4 +1,5 @@
-"""The search environment: tools over one collection, the tool-call protocol, the reward.
+"""The search environment: tools over one collection, the answer, the reward. The protocol's
+tags, rendering and parsing live in ``mtrl_jax.chat``.
 
 Protocol (Qwen / Hermes style, what Qwen chat templates produce):
 
@@ -17,40 +18,18 @@ answering or a turn hit the per-turn token limit (``StepResult.turn["stop_reason
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import time
 from typing import Optional
 
-from mtrl_jax.rollout.env import FAILURE_REWARD, Environment, Episode, Reward, StepResult, Tool, ToolError
+from mtrl_jax.chat import TOOL_ERROR_PREFIX, TOOL_PROMPTS, parse_answer, parse_tool_calls, system_prompt
+from mtrl_jax.rollout.interfaces import FAILURE_REWARD, Environment, Episode, Reward, StepResult, Tool, ToolError
 from mtrl_jax.search.metrics import ndcg_at_k
 from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
-DEFAULT_INSTRUCTIONS = (
-    "You are a search agent. Use the search tools to find the documents that answer the user's question, "
-    "then reply with their ids, best first, as <answer>id1, id2, ...</answer>."
-)
-# The compact prompt's: every token of the system prompt is in every sequence the tiny model trains on.
-COMPACT_INSTRUCTIONS = "Search, then answer with document ids, best first: <answer>id1, id2</answer>."
-
-TOOLS_TEMPLATE = """
-
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{schemas}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+@dataclasses.dataclass
+class SearchEpisode(Episode):
+    search_results: list[list[str]] = dataclasses.field(default_factory=list)  # each search's ranked ids
 
 
 class NdcgReward:
@@ -68,55 +47,16 @@ class SearchEnvConfig:
     max_turns: int = 4
     answer_fallback: str = "last_search"  # "last_search" | "fusion" | "none"
     max_answer_docs: int = 10
-    instructions: Optional[str] = None  # None: DEFAULT_INSTRUCTIONS, or COMPACT_INSTRUCTIONS for "compact"
-    # "schemas": the tools' JSON schemas in <tools></tools>, as Qwen chat templates render them;
-    # "compact": short instructions and one line naming the tools (the tiny default model, to keep its context short)
-    tool_prompt: str = "schemas"
+    instructions: Optional[str] = None  # None: chat.DEFAULT_INSTRUCTIONS, or chat.COMPACT_INSTRUCTIONS for "compact"
+    tool_prompt: str = "schemas"  # see chat.system_prompt
 
     def __post_init__(self):
-        if self.tool_prompt not in ("schemas", "compact"):
-            raise ValueError(f"env.tool_prompt must be 'schemas' or 'compact', got {self.tool_prompt!r}")
+        if self.tool_prompt not in TOOL_PROMPTS:
+            raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS}, got {self.tool_prompt!r}")
         if self.answer_fallback not in ("last_search", "fusion", "none"):
             raise ValueError(f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}")
         if self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
-
-
-def parse_tool_calls(text: str) -> list[tuple[Optional[str], Optional[dict], Optional[ToolError]]]:
-    """``[(name, arguments, None) | (name?, None, ToolError)]`` for each ``<tool_call>`` block."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append((None, None, ToolError("bad_json", f"invalid JSON in tool call: {e.msg}")))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append((None, None, ToolError("bad_format", 'a tool call must be {"name": ..., "arguments": {...}}')))
-            continue
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            calls.append((call["name"], None, ToolError("bad_arguments", f"{call['name']}: arguments must be a JSON object")))
-            continue
-        calls.append((call["name"], arguments, None))
-    if text.count("<tool_call>") > len(calls):
-        calls.append((None, None, ToolError("bad_format", "unterminated <tool_call> (missing </tool_call>)")))
-    return calls
-
-
-def parse_answer(text: str) -> Optional[list[str]]:
-    """Doc ids in the last ``<answer>`` block (``None`` when there is no block)."""
-    blocks = ANSWER.findall(text)
-    if not blocks:
-        return None
-    body = blocks[-1].strip()
-    try:
-        parsed = json.loads(body)
-        if isinstance(parsed, list):
-            return [str(x) for x in parsed]
-    except json.JSONDecodeError:
-        pass
-    return [t.strip("\"'[]") for t in re.split(r"[,\s]+", body) if t.strip("\"'[]")]
 
 
 class SearchEnvironment(Environment):
@@ -131,18 +71,12 @@ class SearchEnvironment(Environment):
         self.known_doc_ids = known_doc_ids
 
     def system_prompt(self) -> str:
-        instructions = self.config.instructions
-        if self.config.tool_prompt == "compact":
-            tools = ", ".join(f"{t.name}({', '.join(t.parameters.get('properties', {}))})" for t in self.tools.values())
-            return (f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
-                    f"call as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>")
-        schemas = "\n".join(json.dumps(t.schema()) for t in self.tools.values())
-        return (DEFAULT_INSTRUCTIONS if instructions is None else instructions) + TOOLS_TEMPLATE.format(schemas=schemas)
+        return system_prompt([t.schema() for t in self.tools.values()], self.config.tool_prompt, self.config.instructions)
 
-    def reset(self, task) -> tuple[Episode, list[dict]]:
-        return Episode(task), [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": task.query}]
+    def reset(self, task) -> tuple[SearchEpisode, list[dict]]:
+        return SearchEpisode(task), [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": task.query}]
 
-    def step(self, episode: Episode, assistant_text: str, hit_token_limit: bool = False) -> StepResult:
+    def step(self, episode: SearchEpisode, assistant_text: str, hit_token_limit: bool = False) -> StepResult:
         if episode.status is not None:
             raise RuntimeError("step() on a finished episode")
         turn = {"index": len(episode.turns), "text": assistant_text, "calls": [], "errors": [], "doc_ids": [],
@@ -156,12 +90,12 @@ class SearchEnvironment(Environment):
             return self._answer(episode, turn, parse_answer(assistant_text))
 
         messages = []
-        for name, arguments, error in calls:
+        for name, arguments, error_kind, error in calls:
             record = {"name": name, "arguments": arguments, "doc_ids": [], "latency_s": 0.0, "error": None}
             start = time.perf_counter()
             try:
-                if error is not None:
-                    raise error
+                if error_kind is not None:
+                    raise ToolError(error_kind, error)
                 if name not in self.tools:
                     raise ToolError("unknown_tool", f"unknown tool {name!r}; available: {sorted(self.tools)}")
                 output = self.tools[name](arguments)
@@ -173,7 +107,7 @@ class SearchEnvironment(Environment):
                 record["error"] = f"{e.kind}: {e}"
                 turn["errors"].append(record["error"])
                 episode.count(f"tool_errors/{e.kind}")
-                content = f"Error: {e}"
+                content = f"{TOOL_ERROR_PREFIX}{e}"
             record["latency_s"] = time.perf_counter() - start
             turn["latency_s"] += record["latency_s"]
             turn["doc_ids"] += record["doc_ids"]
@@ -183,7 +117,7 @@ class SearchEnvironment(Environment):
             return self._finish(episode, turn, "max_turns")
         return StepResult(messages, False, turn)
 
-    def _answer(self, episode: Episode, turn: dict, answer: Optional[list[str]]) -> StepResult:
+    def _answer(self, episode: SearchEpisode, turn: dict, answer: Optional[list[str]]) -> StepResult:
         if answer:
             ranking, source = answer, "answer"
         elif self.config.answer_fallback == "last_search" and episode.search_results:
@@ -211,22 +145,3 @@ class SearchEnvironment(Environment):
             episode.reward = FAILURE_REWARD
         turn["status"] = status
         return StepResult([], True, turn)
-
-
-class EnvironmentRouter(Environment):
-    """Dispatches each task to the environment of its corpus (dataset mixtures)."""
-
-    def __init__(self, environments: dict[str, Environment]):
-        self.environments = environments
-
-    def _env(self, task) -> Environment:
-        try:
-            return self.environments[task.corpus]
-        except KeyError:
-            raise ValueError(f"task {task.task_id!r}: no environment for corpus {task.corpus!r}; have {sorted(self.environments)}") from None
-
-    def reset(self, task):
-        return self._env(task).reset(task)
-
-    def step(self, episode, assistant_text, hit_token_limit=False):
-        return self._env(episode.task).step(episode, assistant_text, hit_token_limit)

@@ -12,7 +12,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from mtrl_jax.rollout.env import ToolError
+from mtrl_jax.rollout.interfaces import ToolError
 
 
 def make_server(tools_by_collection: dict[str, dict], host: str = "127.0.0.1", port: int = 0,

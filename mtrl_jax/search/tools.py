@@ -9,7 +9,7 @@ import urllib.request
 from typing import Optional
 
 from mtrl_jax.data.collection import Collection
-from mtrl_jax.rollout.env import Tool, ToolError, ToolOutput
+from mtrl_jax.rollout.interfaces import Tool, ToolError, ToolOutput
 
 
 def render_results(tool: str, query: str, hits: list[dict], max_doc_chars: int) -> str:

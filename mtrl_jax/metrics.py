@@ -1,0 +1,135 @@
+"""Metrics over trajectories and where they are written.
+
+``summarize``: nDCG@10 with failures counted as 0 (as published MTRL results do); failure rate
+overall and by reason; mean turns; tool calls and tool errors per episode; pass@k at a threshold
+``tau`` on nDCG with the unbiased estimator ``1 - C(n-c, k) / C(n, k)``; max@k, the expected best
+nDCG of k samples, exactly from the sorted samples with the subset-max weights of ALGORITHMS.md.
+
+``MetricsLog`` writes the scalars of each RL step to TensorBoard and ``metrics.jsonl``;
+``write_trajectories`` writes one JSON record per trajectory.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pathlib
+from typing import Optional, Sequence
+
+import numpy as np
+
+from mtrl_jax.rl.advantages import passk_weights
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) from ``n`` samples with ``c`` successes."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def max_at_k(values: Sequence[float], k: int) -> float:
+    """Expected max of ``k`` samples drawn without replacement from ``values``."""
+    w, _ = passk_weights(len(values), k)
+    return float(np.sort(np.asarray(values, np.float64)) @ w)
+
+
+def trajectory_score(traj) -> float:
+    """nDCG@10 with failures counted as 0."""
+    return float(traj.reward) if traj.status == "ok" else 0.0
+
+
+def summarize(trajectories: Sequence, samples_per_task: int = 1, k: int | None = None, tau: float = 0.5) -> dict:
+    """Metrics of ``trajectories`` laid out as consecutive groups of ``samples_per_task`` per task."""
+    n = len(trajectories)
+    if n == 0:
+        raise ValueError("no trajectories to summarize")
+    scores = np.array([trajectory_score(t) for t in trajectories])
+    failures = collections.Counter(t.status for t in trajectories if t.status != "ok")
+    tools = collections.Counter()
+    errors = 0
+    for t in trajectories:
+        for key, value in t.counters.items():
+            if key.startswith("tool_calls/"):
+                tools[key.split("/", 1)[1]] += value
+            elif key.startswith("tool_errors/"):
+                errors += value
+    out = {
+        "queries": n // samples_per_task,
+        "samples": n,
+        "ndcg@10": float(scores.mean()),
+        "failure_rate": float(sum(failures.values()) / n),
+        "failure_rate_by_reason": {r: c / n for r, c in sorted(failures.items())},
+        "mean_turns": float(np.mean([len(t.turns) for t in trajectories])),
+        "tool_calls_per_episode": {name: c / n for name, c in sorted(tools.items())},
+        "tool_errors_per_episode": errors / n,
+    }
+    if samples_per_task > 1:
+        k = k or samples_per_task
+        groups = scores.reshape(-1, samples_per_task)
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(samples_per_task, int((g >= tau).sum()), k) for g in groups]))
+        out[f"max@{k}"] = float(np.mean([max_at_k(g, k) for g in groups]))
+        out["pass_threshold"] = tau
+    return out
+
+
+def rollout_metrics(trajectories: Sequence) -> dict:
+    """The scalars logged for the trajectories of one RL step."""
+    s = summarize(trajectories)
+    out = {"reward/mean": float(np.mean([t.reward for t in trajectories])), "reward/ndcg@10": s["ndcg@10"],
+           "episodes/failure_rate": s["failure_rate"], "episodes/mean_turns": s["mean_turns"],
+           "episodes/tool_errors_per_episode": s["tool_errors_per_episode"],
+           "throughput/sampled_tokens": float(sum(t.num_sampled for t in trajectories))}
+    out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
+    out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_episode"].items()})
+    return out
+
+
+def flatten(d: dict, prefix: str) -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"prefix/a/b": 1}``."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}/{k}"))
+        else:
+            out[f"{prefix}/{k}"] = v
+    return out
+
+
+def headline(label: str, m: dict) -> str:
+    """One line of validation metrics, as the run prints them."""
+    return (f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
+            f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}")
+
+
+def write_trajectories(path: pathlib.Path, trajectories: Sequence, step: Optional[int] = None) -> None:
+    """One JSON record per trajectory (``Trajectory.to_record``) in ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for t in trajectories:
+            f.write(t.to_json(step) + "\n")
+
+
+class MetricsLog:
+    """Scalars per RL step to TensorBoard (``<workdir>/tensorboard``) and ``<workdir>/metrics.jsonl``."""
+
+    def __init__(self, workdir: pathlib.Path):
+        from tensorboardX import SummaryWriter
+
+        self.jsonl = workdir / "metrics.jsonl"
+        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.number))}
+        for k, v in scalars.items():
+            if np.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,89 @@
+"""Bounded off-policy staleness: the published parameters, the stale-group filter, and the
+background rollout thread that runs ahead of the trainer by at most ``max_staleness`` versions."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional, Sequence
+
+from mtrl_jax.rollout.trajectory import Trajectory
+
+
+class PublishedParams:
+    """The latest published ``(params, version)``, read by the collector before each device call."""
+
+    def __init__(self, params, version: int):
+        self.value = (params, version)
+
+    def __call__(self):
+        return self.value
+
+    def publish(self, params, version: int):
+        self.value = (params, version)
+
+
+def filter_stale(groups: Sequence[Sequence[Trajectory]], trainer_version: int, max_staleness: int):
+    """Split groups into (fresh, stale): a group is stale when any of its sampled tokens is more
+    than ``max_staleness`` parameter versions older than the trainer's."""
+    fresh, stale = [], []
+    for group in groups:
+        versions = [t.min_version() for t in group if t.min_version() is not None]
+        oldest = min(versions) if versions else trainer_version
+        (stale if trainer_version - oldest > max_staleness else fresh).append(group)
+    return fresh, stale
+
+
+class AsyncRollouts:
+    """Runs ``collect(step)`` for steps ``start, start+1, ...`` in a background thread.
+
+    Batch ``step`` starts only once the trainer has published version ``>= step - max_staleness``,
+    so generation overlaps training by at most ``max_staleness`` versions, and with
+    ``max_staleness = 0`` every batch is generated entirely by the parameters it is trained from.
+    """
+
+    def __init__(self, collect: Callable[[int], list], start_step: int, max_staleness: int, initial_version: int):
+        self.collect, self.max_staleness = collect, max_staleness
+        self.version = initial_version
+        self.cond = threading.Condition()
+        self.out: queue.Queue = queue.Queue(maxsize=max_staleness + 1)
+        self.error: Optional[BaseException] = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, args=(start_step,), daemon=True, name="rollouts")
+        self.thread.start()
+
+    def _loop(self, step: int):
+        try:
+            while True:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.stopped or self.version >= step - self.max_staleness)
+                    if self.stopped:
+                        return
+                batch = self.collect(step)
+                while not self.stopped:
+                    try:
+                        self.out.put((step, batch), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                step += 1
+        except BaseException as e:  # surfaced to the trainer by get()
+            self.error = e
+            self.out.put((None, None))
+
+    def publish(self, version: int):
+        with self.cond:
+            self.version = version
+            self.cond.notify_all()
+
+    def get(self):
+        step, batch = self.out.get()
+        if self.error is not None:
+            raise RuntimeError("rollout thread failed") from self.error
+        return step, batch
+
+    def stop(self):
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join(timeout=60)

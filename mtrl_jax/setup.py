@@ -1,0 +1,260 @@
+"""From a configuration to the components of a run, used by training and evaluation alike.
+
+``build(config, workdir)`` converts the ``ml_collections`` config once into frozen dataclasses and
+builds, in order: the data (collections, train/validation split, mixture), the search environment,
+the chat format (tokenizer), the mesh, the policy (an HF checkpoint or the tiny default model), the
+optimizer and the jitted updater. It returns them as one frozen ``Components`` value. Invalid values
+are reported here, naming the field, before anything expensive runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Mapping, Optional
+
+import jax
+import optax
+
+from mtrl_jax.chat import ChatFormat, tokenizer_seed_texts, train_tokenizer
+from mtrl_jax.data.collection import Collection, load_beir, mixture, split
+from mtrl_jax.data.schedule import TaskSchedule
+from mtrl_jax.data.synthetic import make_synthetic_collection
+from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
+from mtrl_jax.model.sharding import make_mesh
+from mtrl_jax.rl.objective import ObjectiveConfig
+from mtrl_jax.rl.registry import parse_options
+from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
+from mtrl_jax.rollout.collector import CollectorConfig
+from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
+from mtrl_jax.search.build import SearchSettings, make_environment
+from mtrl_jax.search.env import SearchEnvConfig
+from mtrl_jax.warmup import parse_tool_weights, parse_top_k_weights
+
+
+def csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What the training loop itself needs."""
+
+    seed: int
+    global_batch_size: int
+    group_size: int
+    total_steps: int  # RL steps of the run
+    asynchronous: bool
+    max_staleness: int
+    length_bucket: int
+    checkpoint_every: int
+    checkpoint_keep: int
+    eval_every: int
+    eval_temperature: float
+    log_trajectories: bool
+    log_progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSettings:
+    steps: int
+    batch_size: int
+    learning_rate: float
+    augment: int
+    tools: tuple[str, ...]
+    tool_probs: tuple[float, ...]  # the scripted teacher's tool choice (warmup.teacher_tools)
+    top_ks: tuple[Optional[int], ...]  # and its number of results (warmup.teacher_top_k)
+    top_k_probs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    collections: Mapping[str, Collection]
+    train_tasks: tuple
+    val_tasks: tuple
+    env: Environment
+    chat: ChatFormat
+    mesh: Any
+    model_cfg: ModelConfig
+    params: Any  # the initial policy parameters
+    tx: optax.GradientTransformation
+    updater: Updater
+    collector: CollectorConfig
+    schedule: TaskSchedule
+    run: RunSettings
+    warmup: Optional[WarmupSettings]  # None: no supervised warm-up (a real checkpoint, or warmup.steps=0)
+
+
+# ----------------------------------------------------------------------------- data and environment
+
+
+def build_data(config) -> tuple[dict[str, Collection], list, list]:
+    """Collections by name, train tasks (mixture) and validation tasks (5% per dataset)."""
+    collections = {}
+    if config.data.synthetic:
+        c = make_synthetic_collection(config.data.synthetic_seed)
+        collections[c.name] = c
+    for folder in csv(config.data.folders):
+        c = load_beir(folder)
+        if c.name in collections:
+            raise ValueError(f"data.folders: two collections are named {c.name!r}")
+        collections[c.name] = c
+    if not collections:
+        raise ValueError("no data: set data.synthetic=True or data.folders")
+    train, val = {}, []
+    for name, c in collections.items():
+        t, v = split(c.tasks, config.data.validation_fraction)
+        train[name] = t
+        val += v
+    weights = csv(config.data.weights)
+    if weights:
+        if len(weights) != len(collections):
+            raise ValueError(f"data.weights has {len(weights)} entries for {len(collections)} collections {list(collections)}")
+        try:
+            weight_map = dict(zip(collections, map(float, weights)))
+        except ValueError:
+            raise ValueError(f"data.weights: {config.data.weights!r} must be comma-separated numbers") from None
+        total = sum(len(t) for t in train.values())
+        train_tasks = mixture(train, weight_map, total, seed=config.seed)
+    else:
+        train_tasks = [t for name in collections for t in train[name]]
+    if not train_tasks:
+        raise ValueError(f"no training tasks in {list(collections)}")
+    if config.data.max_eval_tasks:
+        val = val[: config.data.max_eval_tasks]
+    return collections, train_tasks, val
+
+
+def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
+    settings = SearchSettings(
+        tools=tuple(csv(config.search.tools)), encoder=config.search.encoder, tfidf_dim=config.search.tfidf_dim,
+        index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
+        cache_dir=config.search.cache_dir or None, remote_url=config.search.remote_url or None)
+    env_cfg = SearchEnvConfig(max_turns=config.env.max_turns, answer_fallback=config.env.answer_fallback,
+                              max_answer_docs=config.env.max_answer_docs, tool_prompt=config.env.tool_prompt)
+    return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
+
+
+def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collection], env: Environment,
+               train_if_missing: bool = True) -> ChatFormat:
+    """The checkpoint's tokenizer, ``model.tokenizer``, or (the tiny default) ``<workdir>/tokenizer.json``,
+    trained on the corpus and the protocol's strings the first time and reused on resume."""
+    prefix = config.model.assistant_prefix
+    if config.model.tokenizer:
+        return ChatFormat.from_file(config.model.tokenizer, prefix)
+    if config.model.checkpoint:
+        path = pathlib.Path(config.model.checkpoint) / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: not found; set model.tokenizer")
+        return ChatFormat.from_file(path, prefix)
+    saved = workdir / "tokenizer.json"
+    if saved.exists():  # resume with the very same tokenizer
+        return ChatFormat.from_file(saved, prefix)
+    if not train_if_missing:
+        raise FileNotFoundError(f"{saved}: not found (the tiny model's tokenizer is trained by experiments.run)")
+    texts = []
+    for c in collections.values():
+        texts += [f"{d.doc_id} {d.title} {d.text}" for d in c.documents]
+        texts += [t.query for t in c.tasks]
+        _, messages = env.reset(c.tasks[0])
+        texts += [m["content"] for m in messages] * 20
+    tokenizer = train_tokenizer(texts + tokenizer_seed_texts(csv(config.search.tools)), config.model.tiny_vocab)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(saved))
+    return ChatFormat(tokenizer, prefix)
+
+
+# ----------------------------------------------------------------------------- model and update
+
+
+def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
+    m = config.model
+    runtime = dict(remat=m.remat)
+    if m.checkpoint:
+        model, params = load_hf_checkpoint(m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, **runtime)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}")
+        return model.config, params
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=m.tiny_hidden, intermediate_size=m.tiny_intermediate,
+                      num_layers=m.tiny_layers, num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads,
+                      head_dim=m.tiny_head_dim, model_type="qwen3", qk_norm=True, tie_word_embeddings=True,
+                      rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, **runtime)
+    return cfg, init_params(cfg, jax.random.PRNGKey(config.seed), mesh)
+
+
+def update_config(config) -> UpdateConfig:
+    """``rl.*`` as an ``UpdateConfig``; loss and estimator options pass through by name and are
+    checked against the registered function (an option it does not take is an error)."""
+    rl = config.rl
+    norm_len = config.rollout.max_len if rl.aggregation == "seq-mean-token-sum-norm" else None
+    return UpdateConfig(
+        objective=ObjectiveConfig(loss=rl.loss, loss_options=tuple(sorted(parse_options(rl.loss_options, "rl.loss_options").items())),
+                                  aggregation=rl.aggregation, norm_len=norm_len, tis_cap=rl.tis_cap, kl_coef=rl.kl_coef,
+                                  kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef),
+        advantage=rl.advantage,
+        advantage_options=tuple(sorted(parse_options(rl.advantage_options, "rl.advantage_options").items())),
+        # the sampler's convention: temperature <= 0 is greedy, and its behaviour log-probs are at temperature 1
+        temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0, old_logp=rl.old_logp, update_epochs=rl.update_epochs,
+        mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk)
+
+
+def collector_config(config) -> CollectorConfig:
+    r = config.rollout
+    if config.rollout_max_concurrency < 1:
+        raise ValueError(f"rollout_max_concurrency must be >= 1, got {config.rollout_max_concurrency}")
+    if r.max_tokens_per_turn < 1:
+        raise ValueError(f"rollout.max_tokens_per_turn must be >= 1, got {r.max_tokens_per_turn}")
+    return CollectorConfig(slots=config.rollout_max_concurrency, max_len=r.max_len, max_tokens_per_turn=r.max_tokens_per_turn,
+                           decode_chunk=r.decode_chunk, temperature=r.temperature, top_p=r.top_p, tool_workers=r.tool_workers)
+
+
+def _run_settings(config, steps_per_epoch: int, rows_divisor: int) -> RunSettings:
+    total = config.max_epochs * steps_per_epoch
+    if config.max_steps:
+        total = min(total, config.max_steps)
+    if config.checkpoint.every_steps < 1:
+        raise ValueError(f"checkpoint.every_steps must be >= 1, got {config.checkpoint.every_steps}")
+    if config.rollout.group_size < 1:
+        raise ValueError(f"rollout.group_size must be >= 1, got {config.rollout.group_size}")
+    rows = config.global_batch_size * config.rollout.group_size
+    if rows % rows_divisor:
+        raise ValueError(f"rl.mini_batches x rl.micro_batches = {rows_divisor} does not divide the {rows} trajectories of a "
+                         f"step (global_batch_size x rollout.group_size)")
+    return RunSettings(
+        seed=config.seed, global_batch_size=config.global_batch_size, group_size=config.rollout.group_size, total_steps=total,
+        asynchronous=config.rollout.asynchronous, max_staleness=config.rollout.max_staleness,
+        length_bucket=config.rl.length_bucket, checkpoint_every=config.checkpoint.every_steps,
+        checkpoint_keep=config.checkpoint.keep, eval_every=config.eval.every_steps,
+        eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress)
+
+
+def _warmup_settings(config) -> Optional[WarmupSettings]:
+    w = config.warmup
+    if not w.steps or config.model.checkpoint:
+        return None
+    tools = tuple(csv(config.search.tools))
+    top_ks, top_k_probs = parse_top_k_weights(w.teacher_top_k, SearchSettings.max_top_k)
+    return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
+                          tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
+                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()))
+
+
+def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
+    """Every component of a run of ``config`` whose files live in ``workdir``."""
+    workdir = pathlib.Path(workdir)
+    update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
+    collector_cfg = collector_config(config)
+    warmup = _warmup_settings(config)
+    collections, train_tasks, val_tasks = build_data(config)
+    schedule = TaskSchedule(train_tasks, config.global_batch_size)
+    run = _run_settings(config, schedule.steps_per_epoch, update_cfg.rows_per_micro_batch_divisor)
+    env = build_environment(config, collections)
+    chat = build_chat(config, workdir, collections, env, train_tokenizer_if_missing)
+    mesh = make_mesh(tuple(config.model.mesh_shape))
+    model_cfg, params = build_model(config, chat.vocab_size, mesh)
+    o = config.optim
+    tx = make_optimizer(o.learning_rate, run.total_steps * update_cfg.update_epochs * update_cfg.mini_batches,
+                        o.schedule, o.warmup_steps, o.grad_clip, o.weight_decay)
+    return Components(collections=collections, train_tasks=tuple(train_tasks), val_tasks=tuple(val_tasks), env=env, chat=chat,
+                      mesh=mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx),
+                      collector=collector_cfg, schedule=schedule, run=run, warmup=warmup)
