@@ -100,6 +100,41 @@ def test_all_equal_groups_give_zero(name, opts):
     np.testing.assert_allclose(advantages.compute(name, r, 4, **opts), 0.0, atol=1e-6)
 
 
+@pytest.mark.parametrize("name,opts", [("grpo", {"scale": "group"}), ("grpo", {"scale": "batch"}), ("grpo", {"scale": "none"}),
+                                       ("dr_grpo", {}), ("rloo", {}), ("grpo_passk", {"k": 1}), ("grpo_passk", {"k": 3})])
+def test_all_equal_groups_give_exactly_zero_in_float32(name, opts):
+    """ALGORITHMS.md: an all-equal group gives exactly 0 for any value and group size (float32's group
+    mean of equal values is off by an ulp unless the estimator shifts first)."""
+    values = [0.7, 0.1, 1 / 3, -1.0, 0.123456789, 0.9999, 1e-3, 0.0]
+    for G in (4, 5, 7, 8, 16):
+        rng = np.random.default_rng(G)
+        other = rng.uniform(-1, 1, size=G)  # one informative group so that batch-scale std is not 0
+        rewards = jnp.asarray(np.concatenate([np.full(G, v, np.float32) for v in values] + [other]), jnp.float32)
+        adv = np.asarray(advantages.compute(name, rewards, G, **opts)).reshape(-1, G)
+        assert (adv[:-1] == 0.0).all(), (G, adv[:-1][adv[:-1] != 0])
+
+
+def test_registry_options_are_checked_by_name():
+    with pytest.raises(ValueError, match=r"does not take \['k'\]; it takes scale='group'"):
+        advantages.compute("grpo", jnp.zeros(4), 2, k=2)
+    with pytest.raises(ValueError, match="it takes no options"):
+        advantages.compute("rloo", jnp.zeros(4), 2, scale="batch")
+
+
+def test_every_estimator_receives_the_loss_mask():
+    seen = []
+    with advantages.ESTIMATORS.restoring():
+        @advantages.register("mask_spy")
+        def mask_spy(rewards, group_size, loss_mask):
+            seen.append(loss_mask.shape)
+            return rewards * loss_mask.sum(1)
+
+        mask = jnp.asarray([[1, 1, 0], [1, 0, 0]], jnp.float32)
+        np.testing.assert_allclose(advantages.compute("mask_spy", jnp.array([1.0, 3.0]), 2, mask), [2.0, 3.0])
+        assert seen == [(2, 3)]
+    assert "mask_spy" not in advantages.names()
+
+
 def test_group_of_one_gives_zero():
     r = jnp.array([0.3, -1.0, 0.7])
     for name in ["grpo", "rloo", "dr_grpo"]:
@@ -155,7 +190,7 @@ def test_reinforce_pp_baseline_whitens_over_tokens():
     r = rng.uniform(size=6)
     mask = (rng.uniform(size=(6, 5)) < 0.6).astype(np.float32)
     mask[2] = 0
-    got = np.asarray(advantages.compute("reinforce_pp_baseline", jnp.asarray(r, jnp.float32), 3, mask=jnp.asarray(mask)))
+    got = np.asarray(advantages.compute("reinforce_pp_baseline", jnp.asarray(r, jnp.float32), 3, jnp.asarray(mask)))
     centred = np.concatenate([g - g.mean() for g in r.reshape(2, 3)])
     tokens = [centred[b] for b in range(6) for t in range(5) if mask[b, t]]
     expected = (centred - np.mean(tokens)) / (np.std(tokens) + 1e-6)

@@ -14,8 +14,9 @@ from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
-from mtrl_jax.rollout.collector import AsyncRollouts, Collector, CollectorConfig, EpisodeRequest, filter_stale
-from mtrl_jax.rollout.env import Environment, Episode, StepResult
+from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
+from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
+from mtrl_jax.rollout.staleness import AsyncRollouts, filter_stale
 from mtrl_jax.rollout.trajectory import Trajectory
 
 
@@ -71,7 +72,6 @@ def test_trajectories_are_token_in_token_out(chat, model):
                                                           tool_workers=2), lambda: (params, 7))
     trajectories = collector.run(_requests(7))
     assert [t.task_id for t in trajectories] == [f"t{i}" for i in range(7)]
-    assert collector.stats["episodes"] == 7
     for traj in trajectories:
         # rebuild the token sequence from its pieces: the prompt, sampled turns and rendered replies
         _, messages = env.reset(Task(traj.task_id, "", {}, "c"))
@@ -113,7 +113,7 @@ def test_slots_refill_and_tools_overlap_generation(chat, model):
     collector = Collector(cfg, chat, env, CollectorConfig(slots=4, max_len=512, max_tokens_per_turn=8, decode_chunk=8,
                                                           tool_workers=4), source)
     trajectories = collector.run(_requests(10))
-    assert len(trajectories) == 10 and collector.stats["episodes"] == 10
+    assert len(trajectories) == 10 and all(t.status is not None for t in trajectories)
     assert max(decode_during_tools) > 0  # device calls happened while tool calls were running
 
 

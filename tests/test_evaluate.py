@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from mtrl_jax.evaluate import comparison_table, max_at_k, pass_at_k, summarize
+from mtrl_jax.evaluate import comparison_table
+from mtrl_jax.metrics import max_at_k, pass_at_k, summarize
 from mtrl_jax.rollout.trajectory import Trajectory
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_summarize_hand_computed():
     assert m["failure_rate"] == pytest.approx(2 / 6)
     assert m["failure_rate_by_reason"] == {"max_turns": pytest.approx(1 / 6), "turn_token_limit": pytest.approx(1 / 6)}
     assert m["mean_turns"] == pytest.approx((2 + 4 + 2 + 2 + 1 + 3) / 6)
-    assert m["tool_calls_per_query"] == {"bm25_search": pytest.approx(6 / 6), "vector_search": pytest.approx(2 / 6)}
+    assert m["tool_calls_per_episode"] == {"bm25_search": pytest.approx(6 / 6), "vector_search": pytest.approx(2 / 6)}
     # pass@2 at tau 0.5: query 1 has 1 success of 3 -> 1 - C(2,2)/C(3,2) = 2/3; query 2 has 1 of 3 -> 2/3
     assert m["pass@2"] == pytest.approx(2 / 3)
     # max@2: query 1 scores {0.9, 0, 0.3}: pairs' maxima 0.9, 0.9, 0.3 -> 0.7; query 2 {0, 0, 0.6}: 0, 0.6, 0.6 -> 0.4
@@ -82,10 +83,22 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     assert a == b  # same seed, same numbers
     assert (tmp_path / "a/synthetic.run").read_text() == (tmp_path / "b/synthetic.run").read_text()
     m = a["synthetic"]
-    for key in ("queries", "ndcg@10", "failure_rate", "failure_rate_by_reason", "mean_turns", "tool_calls_per_query", "pass@2", "max@2"):
+    for key in ("queries", "ndcg@10", "failure_rate", "failure_rate_by_reason", "mean_turns", "tool_calls_per_episode", "pass@2", "max@2"):
         assert key in m
     assert m["queries"] == 4 and "| synthetic |" in (tmp_path / "a/eval.md").read_text()
-    assert "fine-tuned" in out and "(+0.0%)" in (tmp_path / "b/compare.md").read_text() or "n/a" in (tmp_path / "b/compare.md").read_text()
+    compare = (tmp_path / "b/compare.md").read_text()
+    assert "fine-tuned" in out
+    # identical runs: every metric row shows no change ("+0.0%", or "n/a" where the base value is 0)
+    rows = [line for line in compare.splitlines() if line.startswith("| synthetic |")]
+    assert rows and all(line.endswith(("+0.0000 (+0.0%) |", "+0.0000 (n/a) |")) for line in rows), compare
+
+
+def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={tmp_path / 'out'}",
+           f"--checkpoint={tmp_path / 'typo'}", *TINY]
+    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and f"{tmp_path / 'typo'}: not a training work directory" in result.stderr
+    assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.slow

@@ -76,7 +76,7 @@ def ref_aggregate_weights(mask, mode, norm_len=None):
     return w
 
 
-MODES = list(losses.AGGREGATION_MODES)
+MODES = losses.AGGREGATIONS.names()
 
 
 def random_batch(seed, B=4, T=7, spread=0.5):

@@ -16,8 +16,10 @@ def _section_code(title: str) -> str:
 
 
 def test_adding_a_loss_or_an_advantage_estimator():
-    namespace = {}
-    exec(compile(_section_code("Adding a loss or an advantage estimator"), "README.md", "exec"), namespace)
     from mtrl_jax.rl import advantages, losses
 
-    assert "reinforce_with_floor" in losses.names() and "median_baseline" in advantages.names()
+    with losses.LOSSES.restoring(), advantages.ESTIMATORS.restoring():
+        exec(compile(_section_code("Adding a loss or an advantage estimator"), "README.md", "exec"), {})
+        assert "reinforce_with_floor" in losses.names() and "median_baseline" in advantages.names()
+    # the global registries are as they were: other tests never see the README's entries
+    assert "reinforce_with_floor" not in losses.names() and "median_baseline" not in advantages.names()

@@ -10,12 +10,13 @@ import rank_bm25
 from mtrl_jax.data import collection as col
 from mtrl_jax.data.collection import DataError, Task
 from mtrl_jax.data.synthetic import make_synthetic_collection, query_type
-from mtrl_jax.rollout.env import Tool, ToolOutput, run_text_episode
+from mtrl_jax.chat import COMPACT_INSTRUCTIONS, DEFAULT_INSTRUCTIONS, ChatFormat, parse_answer, parse_tool_calls, train_tokenizer
+from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolOutput, run_scripted
 from mtrl_jax.search import metrics
 from mtrl_jax.search.bm25 import BM25Index
 from mtrl_jax.search.build import SearchSettings, make_environment, make_tools
 from mtrl_jax.search.encoders import BertEncoder, TfidfSvdEncoder
-from mtrl_jax.search.env import COMPACT_INSTRUCTIONS, DEFAULT_INSTRUCTIONS, SearchEnvConfig, parse_answer, parse_tool_calls
+from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.search.retrievers import DenseRetriever, reciprocal_rank_fusion
 from mtrl_jax.search.server import make_server, serve_in_background
 from mtrl_jax.search.text import Analyzer
@@ -210,17 +211,27 @@ def _env(collection, **cfg):
     return make_environment(collection, SearchSettings(tfidf_dim=32), SearchEnvConfig(**cfg))
 
 
+@pytest.fixture(scope="module")
+def chat(synthetic):
+    return ChatFormat(train_tokenizer([f"{d.doc_id} {d.title} {d.text}" for d in synthetic.documents], 600))
+
+
+def run_text_episode(env, task, policy, chat):
+    """An episode through the one episode driver, driven by a scripted ``policy(messages) -> text``."""
+    return run_scripted(EpisodeDriver(env, chat, 1 << 20), task, policy).episode
+
+
 def test_tool_call_and_answer_parsing():
     calls = parse_tool_calls('x <tool_call>{"name": "bm25_search", "arguments": {"query": "a"}}</tool_call>'
                              '<tool_call>{bad}</tool_call><tool_call>[1]</tool_call><tool_call>')
-    assert calls[0] == ("bm25_search", {"query": "a"}, None)
-    assert [c[2].kind for c in calls[1:]] == ["bad_json", "bad_format", "bad_format"]
+    assert calls[0] == ("bm25_search", {"query": "a"}, None, None)
+    assert [c.error_kind for c in calls[1:]] == ["bad_json", "bad_format", "bad_format"]
     assert parse_answer("<answer>d1, d2 d3</answer>") == ["d1", "d2", "d3"]
     assert parse_answer('<answer>["d1", "d2"]</answer>') == ["d1", "d2"]
     assert parse_answer("no answer here") is None
 
 
-def test_episode_with_search_then_answer(synthetic):
+def test_episode_with_search_then_answer(synthetic, chat):
     env = _env(synthetic)
     task = next(t for t in synthetic.tasks if query_type(t) == "lookup")
     ident = task.query.split()[0]
@@ -228,7 +239,7 @@ def test_episode_with_search_then_answer(synthetic):
     script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{ident}"}}}}</tool_call>',
                    f"<answer>{best}</answer>"])
     seen = []
-    episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs), next(script))[1])
+    episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs), next(script))[1], chat)
     assert "<tools>" in seen[0][0]["content"] and "bm25_search" in seen[0][0]["content"]
     assert seen[1][-1]["role"] == "tool" and best in seen[1][-1]["content"]
     assert episode.status == "ok" and episode.final_ranking == [best]
@@ -249,7 +260,7 @@ def test_system_prompts(synthetic):
         SearchEnvConfig(tool_prompt="short")
 
 
-def test_malformed_calls_become_tool_errors_and_are_counted(synthetic):
+def test_malformed_calls_become_tool_errors_and_are_counted(synthetic, chat):
     env = _env(synthetic, max_turns=10)
     task = synthetic.tasks[0]
     bad_calls = ["<tool_call>{oops</tool_call>", '<tool_call>{"name": "web_search", "arguments": {"query": "x"}}</tool_call>',
@@ -260,7 +271,7 @@ def test_malformed_calls_become_tool_errors_and_are_counted(synthetic):
                  "<answer></answer>"]
     script = iter(bad_calls)
     tool_messages = []
-    episode = run_text_episode(env, task, lambda msgs: (tool_messages.append(msgs[-1]), next(script))[1])
+    episode = run_text_episode(env, task, lambda msgs: (tool_messages.append(msgs[-1]), next(script))[1], chat)
     assert all(m["content"].startswith("Error:") for m in tool_messages[1:])
     assert episode.counters == {"tool_errors/bad_json": 1, "tool_errors/unknown_tool": 1, "tool_errors/bad_arguments": 3,
                                 "tool_errors/empty_query": 1, "answer_source/empty": 1}
@@ -268,12 +279,12 @@ def test_malformed_calls_become_tool_errors_and_are_counted(synthetic):
 
 
 @pytest.mark.parametrize("fallback", ["last_search", "fusion"])
-def test_answer_fallback(synthetic, fallback):
+def test_answer_fallback(synthetic, fallback, chat):
     env = _env(synthetic, answer_fallback=fallback)
     task = synthetic.tasks[0]
     script = iter(['<tool_call>{"name": "bm25_search", "arguments": {"query": "valve"}}</tool_call>',
                    '<tool_call>{"name": "vector_search", "arguments": {"query": "pump"}}</tool_call>', "I am done."])
-    episode = run_text_episode(env, task, lambda msgs: next(script))
+    episode = run_text_episode(env, task, lambda msgs: next(script), chat)
     first, last = episode.search_results
     if fallback == "last_search":
         assert episode.final_ranking == last
@@ -282,10 +293,10 @@ def test_answer_fallback(synthetic, fallback):
     assert episode.counters[f"answer_source/fallback_{fallback}"] == 1
 
 
-def test_failures_give_minus_one(synthetic):
+def test_failures_give_minus_one(synthetic, chat):
     env = _env(synthetic, max_turns=2)
     call = '<tool_call>{"name": "bm25_search", "arguments": {"query": "valve"}}</tool_call>'
-    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: call)
+    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: call, chat)
     assert (episode.status, episode.reward, len(episode.turns)) == ("max_turns", -1.0, 2)
     episode, _ = env.reset(synthetic.tasks[0])
     result = env.step(episode, "<tool_call>{\"name\": \"bm25", hit_token_limit=True)
@@ -293,7 +304,7 @@ def test_failures_give_minus_one(synthetic):
     assert result.turn["stop_reason"] == "token_limit"
 
 
-def test_custom_tool_and_reward_in_a_few_lines(synthetic):
+def test_custom_tool_and_reward_in_a_few_lines(synthetic, chat):
     class Calculator(Tool):
         name, description = "add", "add two integers"
         parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
@@ -305,14 +316,14 @@ def test_custom_tool_and_reward_in_a_few_lines(synthetic):
                            reward=lambda task, ranking: float(len(ranking)))
     script = iter(['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>', "<answer>d0001 d0002</answer>"])
     seen = []
-    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: (seen.append(msgs[-1]), next(script))[1])
+    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: (seen.append(msgs[-1]), next(script))[1], chat)
     assert seen[-1] == {"role": "tool", "content": "42"} and episode.reward == 2.0
 
 
 # ------------------------------------------------------------------ remote endpoint
 
 
-def test_episode_through_the_http_endpoint(synthetic):
+def test_episode_through_the_http_endpoint(synthetic, chat):
     local = {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=32))}
     server = make_server({synthetic.name: local}, max_request_bytes=2048)
     serve_in_background(server)
@@ -324,7 +335,7 @@ def test_episode_through_the_http_endpoint(synthetic):
         script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{task.query}"}}}}</tool_call>',
                        '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": 50}}</tool_call>', "done"])
         seen = []
-        episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs[-1]), next(script))[1])
+        episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs[-1]), next(script))[1], chat)
         assert episode.search_results[0] == local["bm25_search"](({"query": task.query})).doc_ids
         assert seen[-1]["content"].startswith("Error:") and "top_k" in seen[-1]["content"]
         assert episode.reward == pytest.approx(metrics.ndcg_at_k(episode.search_results[0], task.qrels))
@@ -339,12 +350,12 @@ def test_episode_through_the_http_endpoint(synthetic):
         server.server_close()
 
 
-def test_unreachable_endpoint_is_a_tool_error_after_retries(synthetic):
+def test_unreachable_endpoint_is_a_tool_error_after_retries(synthetic, chat):
     tool = RemoteSearchTool("bm25_search", "d", "http://127.0.0.1:9", retries=2, backoff_s=0.01, timeout_s=1)
     env = make_environment(synthetic, SearchSettings(tools=()), extra_tools=[tool])
     script = iter(['<tool_call>{"name": "bm25_search", "arguments": {"query": "valve"}}</tool_call>', "done"])
     seen = []
-    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: (seen.append(msgs[-1]), next(script))[1])
+    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: (seen.append(msgs[-1]), next(script))[1], chat)
     assert "search service unavailable" in seen[-1]["content"]
     assert episode.counters["tool_errors/service_error"] == 1
 
@@ -354,7 +365,7 @@ def test_unreachable_endpoint_is_a_tool_error_after_retries(synthetic):
 
 def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
     from mtrl_jax.data.synthetic import SYNTHETIC_TFIDF_DIM
-    from mtrl_jax.search.evaluate import evaluate_retrieval
+    from mtrl_jax.search.baselines import evaluate_retrieval
 
     a, b = make_synthetic_collection(seed=3), make_synthetic_collection(seed=3)
     assert a.documents == b.documents and a.tasks == b.tasks
@@ -372,7 +383,7 @@ def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
 
 @pytest.mark.parametrize("name,minimum", [("scifact", 0.66), ("cranfield", 0.35)])
 def test_bm25_reproduces_published_ndcg(shared_data, name, minimum):
-    from mtrl_jax.search.evaluate import evaluate_retrieval
+    from mtrl_jax.search.baselines import evaluate_retrieval
 
     collection = col.load_beir(shared_data / name)
     result = evaluate_retrieval(collection, ("bm25",))["bm25"]

@@ -39,8 +39,8 @@ def _run(workdir, *extra, config="configs/default.py", wait=True):
 
 def _final_state(workdir, step):
     manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints")
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-    return restored["state"], restored["meta"]
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore()))
+    return restored["state"], restored["record"]
 
 
 def _wait_for_checkpoint(workdir, step, proc, timeout=600):
@@ -114,15 +114,28 @@ def test_overrides_and_typos():
     result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "lossy" in result.stderr
     from configs import default, qwen3_search
-    from mtrl_jax.trainer import update_config
+    from mtrl_jax.setup import update_config
 
     config = default.get_config()
-    config.rl.loss, config.rl.advantage, config.rl.clip_high = "cispo", "rloo", 3.0
+    config.rl.loss, config.rl.advantage, config.rl.loss_options = "cispo", "rloo", "clip_high=3.0"
     ucfg = update_config(config)
     assert ucfg.objective.loss == "cispo" and ucfg.advantage == "rloo" and dict(ucfg.objective.loss_options) == {"clip_high": 3.0}
+    config.rl.advantage, config.rl.advantage_options = "grpo_passk", "k=4"
+    assert dict(update_config(config).advantage_options) == {"k": 4}
+    # an option the selected function does not take is an error listing the ones it takes
+    config.rl.loss_options = "clip_dual=3.0"
+    with pytest.raises(ValueError, match=r"rl.loss_options: loss 'cispo' does not take \['clip_dual'\]; it takes clip_low=1.0, clip_high=4.0"):
+        update_config(config)
+    config.rl.loss_options, config.rl.advantage_options = "", "scale=batch"
+    with pytest.raises(ValueError, match=r"rl.advantage_options: advantage estimator 'grpo_passk' does not take \['scale'\]; it takes k=2"):
+        update_config(config)
+    config.rl.advantage_options = "k"
+    with pytest.raises(ValueError, match="rl.advantage_options: 'k' must be NAME=VALUE"):
+        update_config(config)
     with pytest.raises(AttributeError):
         config.rl.lossy = "ppo"
-    assert qwen3_search.get_config().model.dtype == "bfloat16"
+    real = qwen3_search.get_config()
+    assert real.model.param_dtype == "bfloat16" and real.model.dtype == "bfloat16"
 
 
 @pytest.mark.slow
@@ -138,8 +151,8 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
                       num_heads=4, num_kv_heads=2, head_dim=16, model_type="qwen3", qk_norm=True, tie_word_embeddings=True)
     save_hf_checkpoint(Transformer(cfg), init_params(cfg, jax.random.PRNGKey(0)), ckpt)
     tokenizer.save(str(ckpt / "tokenizer.json"))
-    out = _run(tmp_path / "run", f"--config.model.checkpoint={ckpt}", "--config.model.dtype=float32",
-               "--config.model.compute_dtype=float32", "--config.model.mesh_shape=(1,1,1)",
+    out = _run(tmp_path / "run", f"--config.model.checkpoint={ckpt}", "--config.model.param_dtype=float32",
+               "--config.model.dtype=float32", "--config.model.mesh_shape=(1,1,1)",
                f"--config.data.folders={shared_data / 'cranfield'}", "--config.search.cache_dir=",
                "--config.max_steps=2", "--config.rollout.max_len=4096", "--config.rl.micro_batches=1",
                "--config.rl.length_bucket=256", "--config.eval.every_steps=0", "--config.model.remat=False",
@@ -150,16 +163,68 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
 
 
 def test_resuming_with_kl_but_no_reference_is_an_error(tmp_path):
-    from configs import default
-    from mtrl_jax.trainer import Run
+    from mtrl_jax.checkpoint import Checkpoints
 
-    config = default.get_config()
-    config.data.max_eval_tasks, config.rollout_max_concurrency = 2, 4
-    run = Run(config, tmp_path)
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    checkpoints = Checkpoints(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"reference: rl.kl_coef is set but this run has no KL reference"):
-        run.restore_reference()
-    run.save_reference()
-    restored = run.restore_reference()
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), restored, run.state.params)
-    run.collector.close()
-    run.eval_collector.close()
+        checkpoints.restore_reference(params)
+    checkpoints.save_reference(params)
+    restored = checkpoints.restore_reference(params)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), restored, params)
+    checkpoints.close()
+
+
+def test_run_record_round_trips_and_garbled_records_name_the_checkpoint(tmp_path):
+    import jax.numpy as jnp
+
+    from mtrl_jax.checkpoint import Checkpoints, RunRecord
+    from mtrl_jax.data.schedule import DataCursor
+    from mtrl_jax.rl.train_step import TrainState
+
+    state = TrainState({"w": jnp.ones((2, 2))}, {"mu": jnp.zeros((2, 2))}, jnp.asarray(3, jnp.int32), jax.random.PRNGKey(5))
+    record = RunRecord(rl_step=4, cursor=DataCursor(1, 6, 0), dropped_groups=2, max_staleness_seen=1, before={"ndcg@10": 0.5})
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save(state, record)
+    restored_state, restored_record = checkpoints.restore(state)
+    assert restored_record == record
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored_state, state)
+    checkpoints.close()
+    with pytest.raises(ValueError, match=r"checkpoints/4: malformed run record"):
+        RunRecord.from_json({"rl_step": 4, "cursor": {"epoch": "x"}}, str(tmp_path / "checkpoints" / "4"))
+
+
+def test_group_truncation_keeps_whole_groups_that_split_evenly():
+    from mtrl_jax.trainer import trainable_groups
+
+    groups = [[f"g{i}s{j}" for j in range(4)] for i in range(7)]  # 7 groups of 4
+    kept, left = trainable_groups(groups, rows_divisor=2)  # any number of groups of 4 splits in 2
+    assert kept == groups and left == []
+    kept, left = trainable_groups(groups, rows_divisor=8)  # 2 groups per block of 8 rows
+    assert kept == groups[:6] and left == groups[6:]
+    kept, left = trainable_groups(groups, rows_divisor=3)  # lcm(4, 3) = 12 rows: 3 groups per block
+    assert kept == groups[:6] and left == groups[6:] and len([t for g in kept for t in g]) % 3 == 0
+    assert trainable_groups(groups[:2], rows_divisor=12) == ([], groups[:2])
+    assert trainable_groups([], 4) == ([], [])
+
+
+def test_task_schedule_cursor_resumes_where_it_stopped():
+    from mtrl_jax.data.schedule import DataCursor, TaskSchedule
+
+    tasks = list(range(10))
+    schedule = TaskSchedule(tasks, batch_size=3)  # 3 steps per epoch, one task left over each epoch
+    cursor, seen = DataCursor(shuffle_seed=7), []
+    for _ in range(6):
+        seen.append(schedule.batch(cursor))
+        cursor = schedule.advance(cursor)
+    assert cursor == DataCursor(epoch=1, index=9, shuffle_seed=7)
+    for epoch in (seen[:3], seen[3:]):  # each epoch: 9 distinct tasks of a fresh shuffle
+        assert len({t for batch in epoch for t in batch}) == 9
+    assert seen[:3] != seen[3:]
+    # resuming from a saved cursor with another batch size continues at the same task index
+    saved = schedule.advance(DataCursor(shuffle_seed=7), 2)  # after 2 steps: index 6 of epoch 0
+    order = [t for batch in seen[:3] for t in batch] + [t for t in tasks if t not in {x for b in seen[:3] for x in b}]
+    assert TaskSchedule(tasks, batch_size=2).batch(saved) == order[6:8]
+    assert DataCursor.from_json(saved.to_json(), "x") == saved
+    with pytest.raises(ValueError, match="global_batch_size=11 is more than the 10 training tasks"):
+        TaskSchedule(tasks, batch_size=11)

@@ -10,6 +10,7 @@ from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Collection, Document, Task
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
+from mtrl_jax.rollout.interfaces import EpisodeDriver
 from mtrl_jax.warmup import (augment_question, augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights,
                              question_vocabulary, teacher_turns)
 
@@ -114,7 +115,7 @@ def test_demonstration_masks_exactly_the_teacher_turns():
     texts = [d.text for d in docs] + ['<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x"}}\n</tool_call>',
                                       "<answer></answer>"] * 20
     chat = ChatFormat(train_tokenizer(texts, 400))
-    tokens, mask = demonstration_tokens(chat, env, task, teacher_turns(np.random.default_rng(0), ["bm25_search"]))
+    tokens, mask = demonstration_tokens(EpisodeDriver(env, chat, 4096), task, teacher_turns(np.random.default_rng(0), ["bm25_search"]))
     assert len(tokens) == len(mask)
     runs, start = [], None
     for i, m in enumerate(mask + [0]):

@@ -183,7 +183,7 @@ class EpisodeDriver:
     def receive(self, run: EpisodeRun, result: StepResult) -> list[int]:
         """Record ``result`` (from ``act``); returns the block to extend the context with, or ``[]``
         when the episode ended."""
-        run.messages += [{"role": "assistant", "content": self.chat.turn_text(run.turn_tokens)}] + result.messages
+        run.messages = run.messages + [{"role": "assistant", "content": self.chat.turn_text(run.turn_tokens)}] + result.messages
         run.turn_tokens = []
         if result.done:
             return self._finish(run)

@@ -16,7 +16,6 @@ reuse a handful of compiled programs.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from typing import NamedTuple, Sequence
@@ -31,10 +30,6 @@ from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from
 # Why a row stopped decoding.
 STOP_TOKEN, MAX_NEW_TOKENS, CACHE_FULL, INACTIVE = 0, 1, 2, 3
 STOP_REASONS = {STOP_TOKEN: "stop_token", MAX_NEW_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full", INACTIVE: "inactive"}
-
-# Number of times each jitted function has been traced (i.e. compiled for a new shape).
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
 
 class SamplerState(NamedTuple):
     cache: KVCache  # [L, B, S, K, H]
@@ -56,7 +51,6 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
 
 def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array) -> SamplerState:
     """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded)."""
-    TRACE_COUNTS["extend"] += 1
     T = tokens.shape[1]
     valid = jnp.arange(T)[None, :] < num_new[:, None]
     hidden, cache = forward(cfg, params, tokens, valid, state.cache, state.lengths)
@@ -106,7 +100,6 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
     [B, n]`` int32 (-1 = unused); ``active [B]`` bool; ``budget [B]`` int32. A stop token is kept
     (written to the cache and returned). Rows that are inactive or have stopped write nothing.
     """
-    TRACE_COUNTS["decode"] += 1
     B = state.lengths.shape[0]
     max_len = state.cache.max_len
     room = state.lengths < max_len
