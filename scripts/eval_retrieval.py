@@ -15,7 +15,7 @@ import sys
 from mtrl_jax.data.collection import load_beir
 from mtrl_jax.data.synthetic import SYNTHETIC_TFIDF_DIM, make_synthetic_collection, query_type
 from mtrl_jax.search.build import SearchSettings
-from mtrl_jax.search.evaluate import evaluate_retrieval
+from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.search.metrics import write_trec_run
 
 
