@@ -87,6 +87,7 @@ def get_config():
     c.rl.micro_batches = 1
     c.rl.length_bucket = 128
     c.rl.logprob_chunk = 512
+    c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
 
     c.optim = config_dict.ConfigDict()
     c.optim.learning_rate = 3e-4

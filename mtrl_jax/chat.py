@@ -104,6 +104,9 @@ def parse_tool_calls(text: str) -> list[ParsedCall]:
         except json.JSONDecodeError as e:
             calls.append(ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {e.msg}"))
             continue
+        except (RecursionError, ValueError) as e:  # nesting too deep, an integer of thousands of digits
+            calls.append(ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {type(e).__name__}"))
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(ParsedCall(None, None, "bad_format", 'a tool call must be {"name": ..., "arguments": {...}}'))
             continue
@@ -127,8 +130,8 @@ def parse_answer(text: str) -> Optional[list[str]]:
     try:
         parsed = json.loads(body)
         if isinstance(parsed, list):
-            return [str(x) for x in parsed]
-    except json.JSONDecodeError:
+            return [x if isinstance(x, str) else json.dumps(x) for x in parsed]
+    except (RecursionError, ValueError):  # not JSON (or nested too deep / numbers too long): ids as text
         pass
     return [t.strip("\"'[]") for t in re.split(r"[,\s]+", body) if t.strip("\"'[]")]
 
@@ -160,6 +163,8 @@ class ChatFormat:
         eot = self.tokenizer.token_to_id(END_OF_TEXT)
         self.stop_ids = [self.im_end_id] + ([eot] if eot is not None else [])
         self.pad_id = eot if eot is not None else 0
+        added = sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values()}, key=len, reverse=True)
+        self._control = re.compile("|".join(map(re.escape, added))) if added else None
 
     @classmethod
     def from_file(cls, path: os.PathLike, assistant_prefix: str = "") -> "ChatFormat":
@@ -178,27 +183,48 @@ class ChatFormat:
     def _assistant_header(self) -> str:
         return f"{IM_START}assistant\n{self.assistant_prefix}"
 
+    def _encode_parts(self, parts: Sequence[tuple[str, bool]]) -> list[int]:
+        """Encode ``(text, is_content)`` parts as one string, except that control-token text (an added
+        token's string, such as ``<|im_end|>`` or ``<tool_call>``) inside *content* (a query, a tool's
+        output) is encoded as ordinary text: content can never inject a control token."""
+        if self._control is None or not any(content and self._control.search(text) for text, content in parts):
+            return self.encode("".join(text for text, _ in parts))
+        ids, pending = [], ""
+        for text, content in parts:
+            if not content:
+                pending += text
+                continue
+            last = 0
+            for match in self._control.finditer(text):
+                pending += text[last:match.start()]
+                ids += self.encode(pending) + self.encode(match.group()[0]) + self.encode(match.group()[1:])
+                pending, last = "", match.end()
+            pending += text[last:]
+        return ids + self.encode(pending)
+
     def prompt(self, messages: Sequence[dict]) -> list[int]:
         """Tokens of the opening messages (system, user, ...) plus the assistant header."""
-        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-        return self.encode(text + self._assistant_header())
+        parts = []
+        for m in messages:
+            parts += [(f"{IM_START}{m['role']}\n", False), (m["content"], True), (f"{IM_END}\n", False)]
+        return self._encode_parts(parts + [(self._assistant_header(), False)])
 
     def continuation(self, messages: Sequence[dict]) -> list[int]:
         """Tokens appended after an assistant turn that ended with ``<|im_end|>``: the environment's
         messages (consecutive ``tool`` messages share one user block) and the next assistant header."""
-        text = "\n"
+        parts = [("\n", False)]
         i = 0
         while i < len(messages):
             if messages[i]["role"] == "tool":
-                text += f"{IM_START}user"
+                parts.append((f"{IM_START}user", False))
                 while i < len(messages) and messages[i]["role"] == "tool":
-                    text += f"\n{TOOL_RESPONSE_OPEN}\n{messages[i]['content']}\n{TOOL_RESPONSE_CLOSE}"
+                    parts += [(f"\n{TOOL_RESPONSE_OPEN}\n", False), (messages[i]["content"], True), (f"\n{TOOL_RESPONSE_CLOSE}", False)]
                     i += 1
-                text += f"{IM_END}\n"
+                parts.append((f"{IM_END}\n", False))
             else:
-                text += f"{IM_START}{messages[i]['role']}\n{messages[i]['content']}{IM_END}\n"
+                parts += [(f"{IM_START}{messages[i]['role']}\n", False), (messages[i]["content"], True), (f"{IM_END}\n", False)]
                 i += 1
-        return self.encode(text + self._assistant_header())
+        return self._encode_parts(parts + [(self._assistant_header(), False)])
 
     def turn_text(self, ids: Sequence[int]) -> str:
         """The assistant text of a sampled turn, without the closing stop token."""

@@ -113,14 +113,35 @@ def write_trajectories(path: pathlib.Path, trajectories: Sequence, step: Optiona
             f.write(t.to_json(step) + "\n")
 
 
-class MetricsLog:
-    """Scalars per RL step to TensorBoard (``<workdir>/tensorboard``) and ``<workdir>/metrics.jsonl``."""
+def truncate_logs(workdir: pathlib.Path, step: int) -> None:
+    """Cut ``metrics.jsonl`` and the step trajectory files back to RL step ``step`` (a resumed run
+    redoes the steps after it, and none may appear twice)."""
+    jsonl = workdir / "metrics.jsonl"
+    if jsonl.exists():
+        kept = []
+        for line in jsonl.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):  # a line cut short by the kill
+                continue
+        tmp = jsonl.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(jsonl)
+    for path in (workdir / "trajectories").glob("*step_*.jsonl"):
+        if int(path.stem.rsplit("_", 1)[1]) > step:
+            path.unlink()
 
-    def __init__(self, workdir: pathlib.Path):
+
+class MetricsLog:
+    """Scalars per RL step to TensorBoard (``<workdir>/tensorboard``) and ``<workdir>/metrics.jsonl``.
+    ``first_step``: TensorBoard events at or after it, left by an interrupted run, are purged."""
+
+    def __init__(self, workdir: pathlib.Path, first_step: int = 0):
         from tensorboardX import SummaryWriter
 
         self.jsonl = workdir / "metrics.jsonl"
-        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+        self.writer = SummaryWriter(str(workdir / "tensorboard"), purge_step=first_step or None)
 
     def write(self, step: int, metrics: dict) -> None:
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, np.number))}

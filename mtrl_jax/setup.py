@@ -29,6 +29,7 @@ from mtrl_jax.rollout.collector import CollectorConfig
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
+from mtrl_jax.search.tools import check_service
 from mtrl_jax.warmup import parse_tool_weights, parse_top_k_weights
 
 
@@ -53,6 +54,7 @@ class RunSettings:
     eval_temperature: float
     log_trajectories: bool
     log_progress: bool
+    max_nonfinite_steps: int  # RL steps in a row with a skipped (non-finite) optimizer step before the run stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,8 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
 
 
 def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
+    if config.search.remote_url:  # a dead server is an error now, not retries during every episode
+        check_service(config.search.remote_url)
     settings = SearchSettings(
         tools=tuple(csv(config.search.tools)), encoder=config.search.encoder, tfidf_dim=config.search.tfidf_dim,
         index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
@@ -208,24 +212,35 @@ def collector_config(config) -> CollectorConfig:
                            decode_chunk=r.decode_chunk, temperature=r.temperature, top_p=r.top_p, tool_workers=r.tool_workers)
 
 
-def _run_settings(config, steps_per_epoch: int, rows_divisor: int) -> RunSettings:
-    total = config.max_epochs * steps_per_epoch
-    if config.max_steps:
-        total = min(total, config.max_steps)
+def _run_settings(config, rows_divisor: int) -> RunSettings:
+    """Checked before any data is loaded; ``total_steps`` is filled in once the task count is known."""
+    for field in ("global_batch_size", "max_epochs"):
+        if config[field] < 1:
+            raise ValueError(f"{field} must be >= 1, got {config[field]}")
+    if config.max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0 (0: whole epochs), got {config.max_steps}")
     if config.checkpoint.every_steps < 1:
         raise ValueError(f"checkpoint.every_steps must be >= 1, got {config.checkpoint.every_steps}")
-    if config.rollout.group_size < 1:
-        raise ValueError(f"rollout.group_size must be >= 1, got {config.rollout.group_size}")
+    if config.rollout.group_size < 2:
+        raise ValueError(f"rollout.group_size must be >= 2: group-relative advantages of a single sample are 0, "
+                         f"so nothing would be learnt (got {config.rollout.group_size})")
+    if not config.optim.learning_rate > 0:
+        raise ValueError(f"optim.learning_rate must be > 0, got {config.optim.learning_rate}")
+    if config.rl.max_nonfinite_steps < 1:
+        raise ValueError(f"rl.max_nonfinite_steps must be >= 1, got {config.rl.max_nonfinite_steps}")
+    if not 0 < config.data.validation_fraction < 1:
+        raise ValueError(f"data.validation_fraction must be in (0, 1), got {config.data.validation_fraction}")
     rows = config.global_batch_size * config.rollout.group_size
     if rows % rows_divisor:
         raise ValueError(f"rl.mini_batches x rl.micro_batches = {rows_divisor} does not divide the {rows} trajectories of a "
                          f"step (global_batch_size x rollout.group_size)")
     return RunSettings(
-        seed=config.seed, global_batch_size=config.global_batch_size, group_size=config.rollout.group_size, total_steps=total,
+        seed=config.seed, global_batch_size=config.global_batch_size, group_size=config.rollout.group_size, total_steps=0,
         asynchronous=config.rollout.asynchronous, max_staleness=config.rollout.max_staleness,
         length_bucket=config.rl.length_bucket, checkpoint_every=config.checkpoint.every_steps,
         checkpoint_keep=config.checkpoint.keep, eval_every=config.eval.every_steps,
-        eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress)
+        eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress,
+        max_nonfinite_steps=config.rl.max_nonfinite_steps)
 
 
 def _warmup_settings(config) -> Optional[WarmupSettings]:
@@ -245,9 +260,11 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
     collector_cfg = collector_config(config)
     warmup = _warmup_settings(config)
+    run = _run_settings(config, update_cfg.rows_per_micro_batch_divisor)
     collections, train_tasks, val_tasks = build_data(config)
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
-    run = _run_settings(config, schedule.steps_per_epoch, update_cfg.rows_per_micro_batch_divisor)
+    total = config.max_epochs * schedule.steps_per_epoch
+    run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
     env = build_environment(config, collections)
     chat = build_chat(config, workdir, collections, env, train_tokenizer_if_missing)
     mesh = make_mesh(tuple(config.model.mesh_shape))

@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax import metrics as M
-from mtrl_jax.checkpoint import Checkpoints, RunRecord
+from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import run_episodes
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
 from mtrl_jax.setup import Components, build
-from mtrl_jax.warmup import warm_up
+from mtrl_jax.warmup import WarmupProgress, warm_up, warmup_optimizer
 
 log = logging.getLogger("mtrl_jax")
 
@@ -67,6 +67,7 @@ class Trainer:
         self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published)
         self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False
+        self.nonfinite_in_a_row = 0  # RL steps in a row whose update skipped a non-finite optimizer step
 
     # -------------------------------------------------------------- pieces of the loop
 
@@ -113,6 +114,17 @@ class Trainer:
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / (time.perf_counter() - start)
+        if update_metrics["skipped_steps"]:
+            self.nonfinite_in_a_row += 1
+            log.warning("RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
+                        step + 1, int(update_metrics["skipped_steps"]), self.nonfinite_in_a_row)
+            if self.nonfinite_in_a_row >= self.c.run.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"RL step {step + 1}: {self.nonfinite_in_a_row} RL steps in a row had non-finite losses or gradients "
+                    f"(rl.max_nonfinite_steps={self.c.run.max_nonfinite_steps}); stopping. The last checkpoint, "
+                    f"{self.workdir / 'checkpoints' / str(self.record.rl_step)}, holds the last good parameters")
+        else:
+            self.nonfinite_in_a_row = 0
         return metrics
 
     def save(self) -> None:
@@ -123,20 +135,36 @@ class Trainer:
 
     # -------------------------------------------------------------- the run
 
+    def _warm_up(self) -> None:
+        """The supervised warm-up, continued from its saved progress; SIGTERM saves its progress."""
+        w = self.c.warmup
+        params = self.state.params
+        like_opt = jax.eval_shape(warmup_optimizer(w.steps, w.learning_rate).init, params)
+        saved = self.checkpoints.restore_warmup(params, like_opt)
+        resume = None if saved is None else WarmupProgress(saved[0], saved[1], saved[2]["step"], saved[2]["rng_state"],
+                                                           saved[2]["losses"])
+        if resume is None or resume.step < w.steps:
+            resume = warm_up(self.c, params, log=log.info, resume=resume, should_stop=lambda: self.stop_requested)
+            self.checkpoints.save_warmup(resume.params, resume.opt_state, resume.step, resume.rng_state, resume.losses)
+            if resume.step < w.steps:
+                log.warning("SIGTERM: warm-up progress written at step %d of %d, exiting", resume.step, w.steps)
+                raise SystemExit(143)
+        self.state = self.c.updater.init_state(resume.params, self.state.rng)
+        self.published.publish(resume.params, 0)
+
     def _begin(self) -> None:
-        """Resume from the latest checkpoint, or warm up, evaluate the starting policy and save step 0."""
+        """Resume from the newest intact checkpoint, or warm up, evaluate the starting policy and save step 0."""
         restored = self.checkpoints.restore(self.state)
         kl = self.c.updater.config.objective.kl_coef
         if restored is not None:
             self.state, self.record = restored
             log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
+            M.truncate_logs(self.workdir, self.record.rl_step)
             self.published.publish(self.state.params, self.record.rl_step)
             self.ref_params = self.checkpoints.restore_reference(self.state.params) if kl else None
         else:
             if self.c.warmup is not None:
-                params = warm_up(self.c, self.state.params, log=log.info)
-                self.state = self.c.updater.init_state(params, self.state.rng)
-                self.published.publish(params, 0)
+                self._warm_up()
             self.record.before = self.evaluate("before")
             print(M.headline("before RL", self.record.before), flush=True)
             if kl:  # the policy RL starts from
@@ -147,12 +175,14 @@ class Trainer:
 
     def train(self) -> dict:
         run = self.c.run
-        self._begin()
-        first, _ = self.start
-        metrics_log = M.MetricsLog(self.workdir)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        rollouts = AsyncRollouts(self.collect, first, run.max_staleness, first) if run.asynchronous and first < run.total_steps else None
+        metrics_log, rollouts = None, None
         try:
+            self._begin()
+            first, _ = self.start
+            metrics_log = M.MetricsLog(self.workdir, first + 1)
+            if run.asynchronous and first < run.total_steps:
+                rollouts = AsyncRollouts(self.collect, first, run.max_staleness, first)
             progress = _progress(run.log_progress, first, run.total_steps)
             for step in range(first, run.total_steps):
                 t0 = time.perf_counter()
@@ -186,7 +216,8 @@ class Trainer:
             if rollouts is not None:
                 rollouts.stop()
             signal.signal(signal.SIGTERM, previous)
-            metrics_log.close()
+            if metrics_log is not None:
+                metrics_log.close()
         after = self.evaluate("after")
         print(M.headline("after RL", after), flush=True)
         summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps,
@@ -208,9 +239,9 @@ def _progress(enabled: bool, start: int, total: int):
 
 def train_and_evaluate(config, workdir: os.PathLike) -> dict:
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(build(config, workdir), workdir)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    with WorkdirLock(workdir):  # before anything is written there
+        trainer = Trainer(build(config, workdir), workdir)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()

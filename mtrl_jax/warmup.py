@@ -16,7 +16,7 @@ question words, so copying is what generalises.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -171,10 +171,29 @@ def _pack(demos, length_multiple: int = 8):
             pad_rows([m for _, m in demos], T, np.float32))
 
 
+@dataclasses.dataclass
+class WarmupProgress:
+    """Where a supervised warm-up stands: enough to continue it exactly (``step`` of ``steps`` done)."""
+
+    params: Any
+    opt_state: Any
+    step: int
+    rng_state: dict  # the batch sampler's numpy bit-generator state
+    losses: list
+
+
+def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
+
+
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
-                      full_every: int = 8, full_bucket: int = 64):
-    """Cross-entropy on the demonstrations' assistant tokens; returns ``(params, losses)``.
+                      full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
+                      should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+    """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
+    when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
+    exactly where it stopped).
 
     The first assistant turn (the tool call, which has to copy the question) carries most of what
     there is to learn, and it comes early in the sequence: so every step but one in ``full_every``
@@ -183,8 +202,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     draws a demonstration and fills its batch from the same group, so a few long tool responses
     (a large ``top_k``) do not pad every batch to their length.
     """
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
+    tx = warmup_optimizer(steps, learning_rate)
     group_of = [bucket(len(t), full_bucket) for t, _ in demos]
     full = {}
     for length in sorted(set(group_of)):
@@ -202,10 +220,15 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state = tx.init(params)
     rng = np.random.default_rng(seed)
-    losses = []
-    for i in range(steps):
+    if resume is None:
+        opt_state, start, losses = tx.init(params), 0, []
+    else:
+        params, opt_state, start, losses = resume.params, resume.opt_state, resume.step, list(resume.losses)
+        rng.bit_generator.state = resume.rng_state
+    for i in range(start, steps):
+        if should_stop is not None and should_stop():
+            return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
         if (i + 1) % full_every == 0:
             members, (tokens, attention, loss_mask) = full[group_of[int(rng.integers(len(demos)))]]
             idx = rng.choice(len(members), size=batch_size, replace=len(members) < batch_size)
@@ -216,13 +239,14 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
-    return params, losses
+    return WarmupProgress(params, opt_state, steps, rng.bit_generator.state, losses)
 
 
-def warm_up(components, params, log=print):
+def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = None,
+            should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
     """The embedded default's warm-up of ``params`` (``components.warmup`` settings): the scripted
     teacher's demonstrations of every training task and its augmented variants, rendered through the
-    episode driver, then ``supervised_warmup``. Returns the warmed-up parameters."""
+    episode driver (the same, seeded, on every call), then ``supervised_warmup``."""
     cfg = components.warmup
     rng = np.random.default_rng(components.run.seed)
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
@@ -232,7 +256,7 @@ def warm_up(components, params, log=print):
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             policy = teacher_turns(rng, cfg.tools, np.array(cfg.tool_probs), cfg.top_ks, np.array(cfg.top_k_probs))
             demos.append(demonstration_tokens(driver, variant, policy))
-    log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps")
-    params, _ = supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
-                                  seed=components.run.seed, log=log)
-    return params
+    log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
+        + (f", continuing at step {resume.step}" if resume is not None else ""))
+    return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
+                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop)

@@ -143,7 +143,15 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
         prompt = list(rng.integers(10, 60, size=6))
         block = list(rng.integers(10, 60, size=150 if i % 4 == 0 else 10))
         demos.append((prompt + [7, 8, 9] + block + [5], [0] * 6 + [1] * 3 + [0] * len(block) + [1]))
-    params, losses = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, steps=80, batch_size=8,
-                                       learning_rate=1e-2, log=None, full_every=2, full_bucket=32)
-    assert len(losses) == 80 and np.isfinite(losses).all()
+    common = dict(steps=80, batch_size=8, learning_rate=1e-2, log=None, full_every=2, full_bucket=32)
+    done = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
+    losses = done.losses
+    assert done.step == 80 and len(losses) == 80 and np.isfinite(losses).all()
     assert np.mean(losses[:4]) > 3.0 and np.mean(losses[-10:]) < 0.1
+    # stopped at step 30 (SIGTERM) and continued from its progress: exactly the same run
+    calls = iter(range(1000))
+    stopped = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 30, **common)
+    assert stopped.step == 30 and len(stopped.losses) == 30
+    resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
+    assert resumed.step == 80 and resumed.losses == losses
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, done.params)

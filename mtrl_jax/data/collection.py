@@ -59,18 +59,29 @@ class Collection:
         return h.hexdigest()[:16]
 
 
-def _jsonl(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def _lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file; a byte that is not UTF-8 is an error naming its line."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object")
-            yield line_no, obj
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+
+
+def _jsonl(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{line_no}: invalid JSON ({type(e).__name__})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object")
+        yield line_no, obj
 
 
 def _field(obj: dict, key: str, kind, where: str):
@@ -100,28 +111,27 @@ def load_corpus(path: os.PathLike) -> list[Document]:
 def load_qrels(path: os.PathLike, doc_ids: Optional[set] = None) -> dict[str, dict[str, int]]:
     path = pathlib.Path(path)
     qrels: dict[str, dict[str, int]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            parts = line.rstrip("\n").split("\t")
-            if line_no == 1 and parts[0] == "query-id":
-                continue
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            if len(parts) != 3:
-                raise DataError(f"{where}: expected 3 tab-separated fields, got {len(parts)}")
-            qid, did, grade = parts
-            try:
-                grade = int(grade)
-            except ValueError:
-                raise DataError(f"{where}: score {grade!r} is not an integer") from None
-            if grade < 0:
-                raise DataError(f"{where}: negative score {grade}")
-            if doc_ids is not None and did not in doc_ids:
-                raise DataError(f"{where}: document {did!r} is not in the corpus")
-            if did in qrels.setdefault(qid, {}):
-                raise DataError(f"{where}: duplicate judgment for ({qid!r}, {did!r})")
-            qrels[qid][did] = grade
+    for line_no, line in _lines(path):
+        parts = line.rstrip("\r\n").split("\t")
+        if line_no == 1 and parts[0] == "query-id":
+            continue
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        if len(parts) != 3:
+            raise DataError(f"{where}: expected 3 tab-separated fields, got {len(parts)}")
+        qid, did, grade = parts
+        try:
+            grade = int(grade)
+        except ValueError:
+            raise DataError(f"{where}: score {grade!r} is not an integer") from None
+        if grade < 0:
+            raise DataError(f"{where}: negative score {grade}")
+        if doc_ids is not None and did not in doc_ids:
+            raise DataError(f"{where}: document {did!r} is not in the corpus")
+        if did in qrels.setdefault(qid, {}):
+            raise DataError(f"{where}: duplicate judgment for ({qid!r}, {did!r})")
+        qrels[qid][did] = grade
     return qrels
 
 
@@ -135,14 +145,24 @@ def load_beir(folder: os.PathLike, name: Optional[str] = None) -> Collection:
             raise FileNotFoundError(f"{folder / required}: not found (expected a BEIR-layout folder)")
     docs = load_corpus(folder / "corpus.jsonl")
     qrels = load_qrels(folder / "qrels.tsv", {d.doc_id for d in docs})
-    tasks = []
+    tasks, seen = [], {}
     for line_no, obj in _jsonl(folder / "queries.jsonl"):
         where = f"{folder / 'queries.jsonl'}:{line_no}"
         qid = str(_field(obj, "_id", (str, int), where))
+        if qid in seen:
+            raise DataError(f"{where}: duplicate query id {qid!r} (first at line {seen[qid]})")
+        seen[qid] = line_no
         text = _field(obj, "text", str, where)
         judged = qrels.get(qid, {})
         if any(g > 0 for g in judged.values()):
+            if not text.strip():
+                raise DataError(f"{where}: empty query text")
             tasks.append(Task(f"{name}/{qid}", text, dict(judged), name))
+    if not seen:
+        raise DataError(f"{folder / 'queries.jsonl'}: no queries")
+    if not tasks:
+        raise DataError(f"{folder / 'queries.jsonl'}: none of its {len(seen)} queries has a judgment with grade > 0 "
+                        f"in {folder / 'qrels.tsv'}")
     return Collection(name, docs, tasks)
 
 
@@ -166,6 +186,8 @@ def load_tasks(path: os.PathLike) -> list[Task]:
         if not any(g > 0 for g in qrels.values()):
             raise DataError(f"{where}: no judgment with grade > 0 (nDCG undefined)")
         tasks.append(Task(task_id, query, qrels, _field(obj, "corpus", str, where)))
+    if not tasks:
+        raise DataError(f"{path}: no tasks")
     return tasks
 
 

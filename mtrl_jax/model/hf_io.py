@@ -36,25 +36,46 @@ _ST_DTYPES = {
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
+
+
 def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
     """Memory-mapped tensors of one ``.safetensors`` file (``__metadata__`` is skipped)."""
     path = pathlib.Path(path)
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes; truncated or empty)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8 or header_len > 100 * 2**20:
+            raise ValueError(f"{path}: safetensors header of {header_len} bytes does not fit in a file of {size} bytes "
+                             "(truncated or not a safetensors file)")
         try:
             header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicate_keys(path))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{path}: bad safetensors header: {e}") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: bad safetensors header: not a JSON object")
+    data_len = size - 8 - header_len
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if data_len > 0 else np.zeros(0, np.uint8)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-        tensors[name] = data[start:end].view(dtype).reshape(info["shape"])
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if dtype_name not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name}")
+        dtype = np.dtype(_ST_DTYPES[dtype_name])
+        expected = int(np.prod(shape)) * dtype.itemsize
+        if not (0 <= start <= end <= data_len) or end - start != expected:
+            raise ValueError(f"{path}: tensor {name!r} needs bytes {start}..{end} ({expected} for shape {shape}) "
+                             f"but the data section has {data_len} (truncated file?)")
+        tensors[name] = data[start:end].view(dtype).reshape(shape)
     return tensors
 
 
@@ -225,7 +246,13 @@ def load_hf_checkpoint(
         raise FileNotFoundError(f"{config_file}: not found (expected an HF checkpoint directory)")
     param_dtype = jnp.dtype(param_dtype).name
     runtime["dtype"] = jnp.dtype(dtype or param_dtype).name
-    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()), source=str(config_file), param_dtype=param_dtype, **runtime)
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object")
+    cfg = ModelConfig.from_hf(hf_config, source=str(config_file), param_dtype=param_dtype, **runtime)
     rules = key_map(cfg)
     boxed = abstract_params(cfg)
     shardings = None
@@ -267,6 +294,8 @@ def load_hf_checkpoint(
             expected = rule.hf_shape(cfg)
             if tuple(w.shape) != expected:
                 raise ValueError(f"tensor {tensor!r} has shape {tuple(w.shape)}, expected {expected}")
+            if _is_float(w.dtype) and not np.isfinite(w).all():
+                raise ValueError(f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})")
             arrays.append(rule.to_ours(np.asarray(w).astype(np_dtype), cfg))
         value = np.stack(arrays) if rule.per_layer else arrays[0]
         leaf = boxed

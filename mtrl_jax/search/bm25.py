@@ -34,8 +34,8 @@ class BM25Index:
         tf = sp.csr_matrix((np.asarray(tfs, np.float64), (rows, cols)), shape=(len(self.vocab), n_docs))
         df = np.diff(tf.indptr).astype(np.float64)
         idf = np.log(n_docs - df + 0.5) - np.log(df + 0.5)
-        idf = np.where(idf < 0, epsilon * idf.mean(), idf)
-        avgdl = doc_len.mean()
+        idf = np.where(idf < 0, epsilon * (idf.mean() if idf.size else 0.0), idf)
+        avgdl = doc_len.mean() if doc_len.any() else 1.0  # no document has a term: every score is 0
         norm = k1 * (1 - b + b * doc_len / avgdl)  # per document
         data = tf.data * (k1 + 1) / (tf.data + norm[tf.indices])
         data *= np.repeat(idf, np.diff(tf.indptr))

@@ -68,13 +68,21 @@ class TfidfSvdEncoder:
         for text in texts:
             for term in set(self.analyzer(text)):
                 df[term] = df.get(term, 0) + 1
+        if not df:
+            raise ValueError(f"TF-IDF encoder: the {len(texts)} documents have no indexable term (empty, or only stop "
+                             "words); use search.encoder=minilm or a corpus with text")
         self.vocab = {t: i for i, t in enumerate(sorted(df))}
         n = len(texts)
         self.idf = np.array([math.log((1 + n) / (1 + df[t])) + 1 for t in sorted(df)])
         matrix = self._tfidf(texts)
-        k = min(self.dim, min(matrix.shape) - 1)
-        v0 = np.full(min(matrix.shape), 1.0 / math.sqrt(min(matrix.shape)))
-        _, s, vt = svds(matrix, k=k, v0=v0)
+        if min(matrix.shape) - 1 < 1:  # a one-document (or one-term) corpus: svds needs k < min(shape); it is tiny
+            _, s, vt = np.linalg.svd(matrix.toarray(), full_matrices=False)
+            vt = vt[: self.dim]
+            s = s[: self.dim]
+        else:
+            k = min(self.dim, min(matrix.shape) - 1)
+            v0 = np.full(min(matrix.shape), 1.0 / math.sqrt(min(matrix.shape)))
+            _, s, vt = svds(matrix, k=k, v0=v0)
         order = np.argsort(-s)
         self.projection = vt[order].T  # [terms, k]
 

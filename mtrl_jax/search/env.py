@@ -103,7 +103,9 @@ class SearchEnvironment(Environment):
                 episode.search_results.append(output.doc_ids)
                 episode.count(f"tool_calls/{name}")
                 content = output.content
-            except ToolError as e:
+            except Exception as e:  # noqa: BLE001 - whatever the model's call does to a tool, the run goes on
+                if not isinstance(e, ToolError):
+                    e = ToolError("tool_failure", f"{name}: the tool failed on this call ({type(e).__name__}: {str(e)[:200]})")
                 record["error"] = f"{e.kind}: {e}"
                 turn["errors"].append(record["error"])
                 episode.count(f"tool_errors/{e.kind}")

@@ -3,7 +3,9 @@
 ``POST /{collection}/search`` with ``{"tool": name, "query": str, "top_k": int}`` returns
 ``{"results": [{"doc_id", "score", "title", "text"}, ...]}``; ``GET /{collection}/tools`` returns
 the tool schemas; ``GET /health`` returns ``{"ok": true}``. Requests over ``max_request_bytes``
-get 413, malformed ones 400 with a reason.
+get 413, malformed ones (headers included) 400 with a reason. Each connection has a read timeout, so
+half-sent requests and idle keep-alive connections cannot hold a thread forever, and the listen
+backlog is sized for many concurrent clients.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from mtrl_jax.rollout.interfaces import ToolError
 
 
 def make_server(tools_by_collection: dict[str, dict], host: str = "127.0.0.1", port: int = 0,
-                max_request_bytes: int = 16_384) -> ThreadingHTTPServer:
+                max_request_bytes: int = 16_384, read_timeout_s: float = 10.0, backlog: int = 1024) -> ThreadingHTTPServer:
     """``tools_by_collection``: collection name -> {tool name -> SearchTool}."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = read_timeout_s  # socket timeout of each connection: slow or idle clients are dropped
 
         def log_message(self, *args):  # quiet by default
             pass
@@ -48,11 +51,21 @@ def make_server(tools_by_collection: dict[str, dict], host: str = "127.0.0.1", p
                 self._send(200, {"tools": [t.schema() for t in tools.values()]})
 
         def do_POST(self):
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length < 0:
+                    raise ValueError
+            except ValueError:
+                self.close_connection = True
+                return self._send(400, {"error": f"invalid Content-Length {self.headers.get('Content-Length')!r}"})
             if length > max_request_bytes:
                 self.close_connection = True
                 return self._send(413, {"error": f"request of {length} bytes exceeds the limit of {max_request_bytes}"})
-            raw = self.rfile.read(length)
+            try:
+                raw = self.rfile.read(length)
+            except (TimeoutError, OSError):  # a half-sent body: give the thread back
+                self.close_connection = True
+                return
             tools = self._collection("search")
             if tools is None:
                 return
@@ -75,9 +88,11 @@ def make_server(tools_by_collection: dict[str, dict], host: str = "127.0.0.1", p
                 return self._send(400, {"error": str(e)})
             self._send(200, {"results": results})
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    class Server(ThreadingHTTPServer):
+        request_queue_size = backlog  # the listen backlog (socketserver's default of 5 resets bursts of clients)
+        daemon_threads = True
+
+    return Server((host, port), Handler)
 
 
 def serve_in_background(server: ThreadingHTTPServer) -> threading.Thread:

@@ -76,16 +76,68 @@ class RemoteSearchTool(SearchTool):
         last_error = None
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(f"{self.url}/search", data=body, headers={"Content-Type": "application/json"})
+            wait = self.backoff_s * 2**attempt
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())["results"]
+                    return parse_results(response.read(), top_k)
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:200]
-                if 400 <= e.code < 500:  # the request itself is wrong: retrying will not help
+                if 400 <= e.code < 500 and e.code not in RETRIED_STATUS:  # the request itself is wrong
                     raise ToolError("bad_arguments", f"{self.name}: {detail}") from None
                 last_error = f"HTTP {e.code}: {detail}"
-            except (urllib.error.URLError, TimeoutError, OSError, ValueError, KeyError) as e:
+                wait = max(wait, _retry_after(e.headers.get("Retry-After"), self.timeout_s))
+            except MalformedReply as e:
+                raise ToolError("service_error", f"{self.name}: malformed reply from the search service ({e})") from None
+            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
                 last_error = f"{type(e).__name__}: {e}"
             if attempt < self.retries:
-                time.sleep(self.backoff_s * 2**attempt)
+                time.sleep(wait)
         raise ToolError("service_error", f"{self.name}: search service unavailable ({last_error})")
+
+
+RETRIED_STATUS = (429, 503)  # overloaded: retried with backoff (5xx are retried too)
+
+
+def _retry_after(value: Optional[str], cap: float) -> float:
+    try:
+        return min(max(float(value), 0.0), cap)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+class MalformedReply(ValueError):
+    pass
+
+
+def parse_results(raw: bytes, top_k: int) -> list[dict]:
+    """The ``results`` of a search reply, checked field by field (a 200 reply with a body the client
+    cannot use is an error of the service, not a crash of the rollout)."""
+    try:
+        reply = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise MalformedReply(f"invalid JSON: {type(e).__name__}") from None
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list):
+        raise MalformedReply("'results' must be a list")
+    if len(results) > top_k:
+        raise MalformedReply(f"{len(results)} results for top_k={top_k}")
+    for i, hit in enumerate(results):
+        if not isinstance(hit, dict):
+            raise MalformedReply(f"results[{i}] must be an object")
+        for field, kind in (("doc_id", str), ("text", str), ("title", (str, type(None))), ("score", (int, float))):
+            if field in ("doc_id", "text") and field not in hit:
+                raise MalformedReply(f"results[{i}] has no {field!r}")
+            if field in hit and not isinstance(hit[field], kind):
+                raise MalformedReply(f"results[{i}].{field} has the wrong type")
+    return results
+
+
+def check_service(url: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (``ConnectionError`` naming ``url``) when the tool server does not answer ``/health``."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
+            if json.loads(response.read()).get("ok") is not True:
+                raise ValueError("health check did not answer ok")
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError, AttributeError) as e:
+        raise ConnectionError(f"search.remote_url={url}: the tool server is unreachable or unhealthy "
+                              f"({type(e).__name__}: {e}); start it with scripts/serve_tools.py") from None
