@@ -37,7 +37,7 @@ TOOL_ERROR_PREFIX = "Error: "
 
 DEFAULT_INSTRUCTIONS = (
     "You are a search agent. Use the search tools to find the documents that answer the user's question, "
-    f"then reply with their ids, best first, as {ANSWER_OPEN}id1, id2, ...{ANSWER_CLOSE}."
+    f'then reply with their ids, best first, as a JSON list of strings: {ANSWER_OPEN}["id1", "id2", ...]{ANSWER_CLOSE}.'
 )
 # The compact prompt's: every token of the system prompt is in every sequence the tiny model trains on.
 COMPACT_INSTRUCTIONS = f"Search, then answer with document ids, best first: {ANSWER_OPEN}id1, id2{ANSWER_CLOSE}."
@@ -83,7 +83,9 @@ def render_tool_call(name: str, arguments: dict) -> str:
 
 
 def render_answer(doc_ids: Sequence[str]) -> str:
-    return f"{ANSWER_OPEN}{', '.join(doc_ids)}{ANSWER_CLOSE}"
+    """The final answer: a JSON list of ids, so that any id (commas, spaces, quotes included) is carried
+    exactly; no ids gives the empty answer (the environment's fallback ranks the searches' results)."""
+    return f"{ANSWER_OPEN}{json.dumps(list(doc_ids), ensure_ascii=False) if doc_ids else ''}{ANSWER_CLOSE}"
 
 
 class ParsedCall(NamedTuple):
@@ -121,8 +123,9 @@ def parse_tool_calls(text: str) -> list[ParsedCall]:
 
 
 def parse_answer(text: str) -> Optional[list[str]]:
-    """Doc ids in the last ``<answer>`` block (``None`` when there is none): a JSON list, or ids
-    separated by commas or white space."""
+    """Doc ids in the last ``<answer>`` block (``None`` when there is none): a JSON list of strings
+    (the format the prompt asks for, which carries any id), or else ids separated by commas or white
+    space (ids with those characters need the JSON form)."""
     blocks = ANSWER.findall(text)
     if not blocks:
         return None

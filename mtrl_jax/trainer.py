@@ -53,6 +53,26 @@ def trainable_groups(groups: Sequence, rows_divisor: int) -> tuple[list, list]:
     return list(groups[:keep]), list(groups[keep:])
 
 
+class NonFiniteGuard:
+    """Counts RL steps in a row whose update skipped an optimizer step (non-finite loss or gradient;
+    the update leaves parameters and optimizer state as they were) and stops the run at ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def observe(self, rl_step: int, skipped: int, last_checkpoint: pathlib.Path) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        log.warning("RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
+                    rl_step, skipped, self.in_a_row)
+        if self.in_a_row >= self.limit:
+            raise FloatingPointError(f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses or "
+                                     f"gradients (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
+                                     f"{last_checkpoint}, holds the last good parameters")
+
+
 class Trainer:
     def __init__(self, components: Components, workdir: os.PathLike):
         c = self.c = components
@@ -67,7 +87,7 @@ class Trainer:
         self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published)
         self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False
-        self.nonfinite_in_a_row = 0  # RL steps in a row whose update skipped a non-finite optimizer step
+        self.nonfinite = NonFiniteGuard(c.run.max_nonfinite_steps)
 
     # -------------------------------------------------------------- pieces of the loop
 
@@ -114,17 +134,7 @@ class Trainer:
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / (time.perf_counter() - start)
-        if update_metrics["skipped_steps"]:
-            self.nonfinite_in_a_row += 1
-            log.warning("RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
-                        step + 1, int(update_metrics["skipped_steps"]), self.nonfinite_in_a_row)
-            if self.nonfinite_in_a_row >= self.c.run.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"RL step {step + 1}: {self.nonfinite_in_a_row} RL steps in a row had non-finite losses or gradients "
-                    f"(rl.max_nonfinite_steps={self.c.run.max_nonfinite_steps}); stopping. The last checkpoint, "
-                    f"{self.workdir / 'checkpoints' / str(self.record.rl_step)}, holds the last good parameters")
-        else:
-            self.nonfinite_in_a_row = 0
+        self.nonfinite.observe(step + 1, int(update_metrics["skipped_steps"]), self.workdir / "checkpoints" / str(self.record.rl_step))
         return metrics
 
     def save(self) -> None:

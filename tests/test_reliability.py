@@ -395,3 +395,29 @@ def test_broken_hf_checkpoints_are_errors_naming_the_file(tmp_path):
     write_safetensors(tensors, weights)
     with pytest.raises(ValueError, match=r"tensor 'model.norm.weight' holds non-finite values \(1 of"):
         load_hf_checkpoint(model)
+
+
+def test_answers_carry_ids_with_commas_exactly(shared_data):
+    from mtrl_jax.chat import DEFAULT_INSTRUCTIONS, parse_answer, render_answer
+
+    collection = load_beir(shared_data / "dbpedia_entity_5k")
+    with_commas = [t for t in collection.tasks if any("," in d for d, g in t.qrels.items() if g > 0)]
+    assert with_commas, "the DBpedia subset has relevant documents whose ids contain commas"
+    env = make_environment(collection, SearchSettings(tools=("bm25_search",)))
+    assert '["id1", "id2", ...]' in env.system_prompt() and DEFAULT_INSTRUCTIONS in env.system_prompt()
+    for task in with_commas:
+        ideal = sorted((d for d, g in task.qrels.items() if g > 0), key=lambda d: -task.qrels[d])[:10]
+        assert parse_answer(render_answer(ideal)) == ideal
+        episode, _ = env.reset(task)
+        env.step(episode, "Found them.\n" + render_answer(ideal))
+        assert episode.status == "ok" and episode.final_ranking == ideal and episode.reward == pytest.approx(1.0)
+
+
+def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
+    from mtrl_jax.trainer import NonFiniteGuard
+
+    guard = NonFiniteGuard(limit=3)
+    for step, skipped in enumerate([1, 2, 0, 1, 1], start=1):  # the finite step in between resets the count
+        guard.observe(step, skipped, tmp_path / "checkpoints" / str(step - 1))
+    with pytest.raises(FloatingPointError, match=r"RL step 6: 3 RL steps in a row .* The last checkpoint, .*checkpoints/5, holds"):
+        guard.observe(6, 2, tmp_path / "checkpoints" / "5")

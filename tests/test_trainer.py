@@ -81,6 +81,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "straight/trajectories/step_000002.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["param_versions"] == [1] for r in records if r["num_sampled_tokens"])
     assert {"text", "calls", "stop_reason", "latency_s"} <= set(records[0]["turns"][0])
+    # the killed run's logs were cut back to the restored step: no step appears twice
+    killed_steps = [json.loads(line)["step"] for line in (tmp_path / "killed/metrics.jsonl").read_text().splitlines()]
+    assert killed_steps == [1, 2, 3], killed_steps
     metrics = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "reward/ndcg@10", "episodes/failure_rate", "episodes/mean_turns", "train/loss",
                 "train/clipfrac", "train/approx_kl", "train/kl", "train/entropy", "train/grad_norm", "staleness/mean",
@@ -228,3 +231,48 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
     assert DataCursor.from_json(saved.to_json(), "x") == saved
     with pytest.raises(ValueError, match="global_batch_size=11 is more than the 10 training tasks"):
         TaskSchedule(tasks, batch_size=11)
+
+
+@pytest.mark.slow
+def test_sigterm_during_warmup_saves_it_and_resume_continues(tmp_path):
+    args = ["--config.warmup.steps=300", "--config.max_steps=1"]
+    proc = _run(tmp_path, *args, wait=False)
+    for line in proc.stdout:  # wait until the warm-up is under way
+        if "warm-up step 50/300" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 143 and "SIGTERM: warm-up progress written at step" in out, out[-2000:]
+    saved = json.loads((tmp_path / "warmup/progress.json").read_text())
+    assert 50 <= saved["step"] < 300 and len(saved["losses"]) == saved["step"]
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    out = _run(tmp_path, *args)
+    assert f"continuing at step {saved['step']}" in out and "[after RL] validation" in out
+    assert json.loads((tmp_path / "warmup/progress.json").read_text())["step"] == 300
+
+
+@pytest.mark.slow
+def test_greedy_rollouts_train_without_nan(tmp_path):
+    _run(tmp_path, "--config.rollout.temperature=0", "--config.max_steps=2")
+    state, _ = _final_state(tmp_path, 2)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert np.isfinite(last["train/loss"]) and last["train/skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_workdir_stops_at_once(tmp_path):
+    first = _run(tmp_path, "--config.warmup.steps=2000", "--config.max_steps=1", wait=False)
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "run.lock").exists() or "pid" not in (tmp_path / "run.lock").read_text():
+            assert time.time() < deadline and first.poll() is None
+            time.sleep(0.2)
+        cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={tmp_path}", *SMALL]
+        start = time.time()
+        second = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert second.returncode != 0 and f"the work directory is in use by pid {first.pid}" in second.stderr
+        assert time.time() - start < 60
+    finally:
+        first.kill()
+        first.wait()

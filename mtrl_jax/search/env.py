@@ -7,8 +7,8 @@ Protocol (Qwen / Hermes style, what Qwen chat templates produce):
 * a tool call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (several per turn
   are allowed); each result comes back as a ``tool`` message;
 * a turn without a tool call ends the episode. Its final answer is
-  ``<answer>doc-id-1, doc-id-2, ...</answer>`` (best first; commas or white space; a JSON list is
-  accepted too). An answer without ids falls back to ``answer_fallback``: the last search's results
+  ``<answer>["doc-id-1", "doc-id-2", ...]</answer>`` (best first; a JSON list carries any id, commas
+  included; ids separated by commas or white space are accepted too). An answer without ids falls back to ``answer_fallback``: the last search's results
   (``"last_search"``), a reciprocal-rank fusion of every search (``"fusion"``), or nothing (``"none"``).
 
 Reward: nDCG@10 of the final ranking, or -1 when the episode used ``max_turns`` turns without
