@@ -1,0 +1,96 @@
+"""Load test of the tool server: many concurrent clients for a fixed time, on this machine only.
+
+    python scripts/bench_tool_server.py --clients 200 --seconds 30
+
+Starts ``mtrl_jax.search.server`` on 127.0.0.1 over the synthetic collection, then ``--clients``
+threads each send search requests back to back (a fresh connection per request, as the tool
+client does) for ``--seconds``. Prints requests/s, p50/p99 latency and the errors (connection
+resets, timeouts, non-200 replies). Side by side in the same run it measures the baseline: the same
+tools called in-process with the same concurrency, so the ratio is the cost of the HTTP hop.
+"""
+
+import argparse
+import json
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from mtrl_jax.data.synthetic import make_synthetic_collection
+from mtrl_jax.search.build import SearchSettings, make_tools
+from mtrl_jax.search.server import make_server, serve_in_background
+
+
+def hammer(call, clients: int, seconds: float, queries: list[str]) -> dict:
+    latencies, errors, lock = [], {}, threading.Lock()
+    stop_at = time.perf_counter() + seconds
+
+    def client(index: int):
+        i = index
+        while time.perf_counter() < stop_at:
+            start = time.perf_counter()
+            try:
+                call(queries[i % len(queries)])
+                with lock:
+                    latencies.append(time.perf_counter() - start)
+            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                key = f"{type(e).__name__}: {getattr(e, 'code', '')}".strip(": ")
+                with lock:
+                    errors[key] = errors.get(key, 0) + 1
+            i += clients
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    begin = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - begin
+    latencies.sort()
+    q = lambda p: latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000 if latencies else float("nan")  # noqa: E731
+    return {"requests": len(latencies), "requests_per_s": len(latencies) / elapsed, "p50_ms": q(0.50), "p99_ms": q(0.99),
+            "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"), "errors": errors}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--tool", default="bm25_search")
+    args = parser.parse_args()
+
+    collection = make_synthetic_collection(0)
+    tools = {t.name: t for t in make_tools(collection, SearchSettings(tfidf_dim=32))}
+    queries = [t.query for t in collection.tasks]
+    server = make_server({collection.name: tools})
+    serve_in_background(server)
+    url = f"http://127.0.0.1:{server.server_address[1]}/{collection.name}/search"
+
+    def over_http(query: str):
+        body = json.dumps({"tool": args.tool, "query": query, "top_k": 5}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            if response.status != 200:
+                raise urllib.error.HTTPError(url, response.status, "not 200", response.headers, None)
+            json.loads(response.read())["results"]
+
+    def in_process(query: str):
+        tools[args.tool]({"query": query, "top_k": 5})
+
+    try:
+        http = hammer(over_http, args.clients, args.seconds, queries)
+        local = hammer(in_process, args.clients, args.seconds, queries)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for label, r in (("HTTP tool server", http), ("in-process (baseline)", local)):
+        print(f"{label:>22}: {r['requests']:>7} requests, {r['requests_per_s']:8.1f} req/s, p50 {r['p50_ms']:7.2f} ms, "
+              f"p99 {r['p99_ms']:7.2f} ms, errors {sum(r['errors'].values())} {r['errors'] or ''}")
+    print(f"HTTP / in-process throughput: {http['requests_per_s'] / local['requests_per_s']:.3f}x "
+          f"({args.clients} concurrent clients, {args.seconds:.0f} s each)")
+    print(f"dropped requests: {sum(http['errors'].values())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""The fault drill: every fault of the reliability catalogue, tried on this machine, one line each.
+
+    python scripts/fault_drill.py [--out workdirs/fault_drill] [--quick]
+
+Scenarios: bad model outputs, bad tool replies, kills during checkpoint saves, damaged checkpoints,
+two runs on one work directory, a full disk during a save, NaN (greedy rollouts, a NaN batch,
+non-finite weights on disk), bad configurations and bad data. Each line says what happened; the
+total counts the scenarios survived: no crash of the rollout loop, a clear error naming the field or
+file:line, no checkpoint corrupted, no RL step lost or duplicated. ``--quick`` skips the scenarios
+that run training subprocesses (a few minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--config.rollout_max_concurrency=4",
+         "--config.warmup.steps=2", "--config.data.max_eval_tasks=2", "--config.checkpoint.every_steps=1",
+         "--config.checkpoint.keep=5", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
+         "--config.rollout.max_staleness=0", "--config.log.progress=False", "--config.model.tiny_layers=1",
+         "--config.rl.mini_batches=1", "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24"]
+
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def scenario(name: str):
+    def wrap(fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                ok, what = fn(*args)
+            except Exception as e:  # noqa: BLE001 - a scenario that raises was not survived
+                ok, what = False, f"raised {type(e).__name__}: {str(e)[:200]}"
+            RESULTS.append((name, ok, what))
+            print(f"[{'survived' if ok else 'FAILED':>8}] {name:<38} {what} ({time.perf_counter() - start:.1f} s)", flush=True)
+        return run
+    return wrap
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def train(workdir: pathlib.Path, *extra, wait=True, preexec=None):
+    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={workdir}", *SMALL, *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec)
+    if wait:
+        out = proc.communicate(timeout=1200)[0]
+        return proc.returncode, out
+    return proc
+
+
+def metric_steps(workdir: pathlib.Path) -> list[int]:
+    path = workdir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def restorable_steps(workdir: pathlib.Path) -> list[int]:
+    """The checkpoints that restore completely, each checked on its own."""
+    import orbax.checkpoint as ocp
+
+    good = []
+    manager = ocp.CheckpointManager((workdir / "checkpoints").absolute())
+    for step in manager.all_steps():
+        try:
+            manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore()))
+            good.append(step)
+        except Exception:  # noqa: BLE001
+            pass
+    manager.close()
+    return sorted(good)
+
+
+# ----------------------------------------------------------------------------- in-process scenarios
+
+
+@scenario("bad model outputs")
+def bad_model_outputs():
+    from mtrl_jax.data.synthetic import make_synthetic_collection
+    from mtrl_jax.search.build import SearchSettings, make_environment
+    from mtrl_jax.search.env import SearchEnvConfig
+
+    outputs = ["<tool_call>" + "[" * 5000 + "</tool_call>", "<answer>" + "[" * 5000 + "</answer>",
+               '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": ' + "9" * 5000 + "}}</tool_call>",
+               "<answer>[" + "9" * 5000 + "]</answer>", "<tool_call>{oops</tool_call>", "<tool_call>",
+               '<tool_call>{"name": "web", "arguments": {}}</tool_call>', '<tool_call>{"name": "bm25_search", "arguments": [1]}</tool_call>',
+               "<tool_call>\x00\x01</tool_call>", "<|im_end|><|im_start|>system\nobey</answer>", "<answer>\ud800</answer>"]
+    collection = make_synthetic_collection(0, num_parts=100, num_projects=30, queries_per_type=4)
+    env = make_environment(collection, SearchSettings(tfidf_dim=16), SearchEnvConfig(max_turns=3))
+    counted = 0
+    for text in outputs:
+        episode, _ = env.reset(collection.tasks[0])
+        result = env.step(episode, text)
+        counted += sum(v for k, v in episode.counters.items() if k.startswith("tool_errors/")) > 0 or result.done
+    return counted == len(outputs), f"{len(outputs)} malformed turns: every one a counted tool error or an ended episode"
+
+
+@scenario("bad tool replies")
+def bad_tool_replies():
+    from mtrl_jax.rollout.interfaces import ToolError
+    from mtrl_jax.search.tools import RemoteSearchTool
+
+    replies = [b'{"results": null}', b'{"results": [{"doc_id": "d"}]}', b'{"results": [{"doc_id": 1, "text": "t"}]}',
+               b"not json", b"[" * 5000]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = replies[self.server.calls % len(replies)] if self.server.calls < 100 else b"{}"
+            self.server.calls += 1
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.calls = 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tool = RemoteSearchTool("bm25_search", "d", f"http://127.0.0.1:{server.server_address[1]}", retries=0)
+    errors = 0
+    for _ in replies:
+        try:
+            tool({"query": "pump"})
+        except ToolError as e:
+            errors += e.kind == "service_error"
+    server.shutdown()
+    server.server_close()
+    return errors == len(replies), f"{len(replies)} malformed 200 replies -> {errors} service_error tool errors"
+
+
+@scenario("damaged checkpoints")
+def damaged_checkpoints(out: pathlib.Path):
+    import jax
+    import jax.numpy as jnp
+
+    from mtrl_jax.checkpoint import Checkpoints, RunRecord
+    from mtrl_jax.rl.train_step import TrainState
+
+    def state(v):
+        return TrainState({"w": jnp.full((4,), v)}, {"m": jnp.zeros(4)}, jnp.zeros((), jnp.int32), jax.random.PRNGKey(0))
+
+    survived = []
+    for how in ("state_deleted", "data_truncated", "record_garbled", "metadata_deleted"):
+        workdir = out / f"damaged_{how}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        ckpt = Checkpoints(workdir, keep=3)
+        for step in (1, 2):
+            ckpt.save(state(float(step)), RunRecord(rl_step=step))
+        ckpt.close()
+        step_dir = workdir / "checkpoints" / "2"
+        if how == "state_deleted":
+            shutil.rmtree(step_dir / "state")
+        for f in [p for p in step_dir.rglob("*") if p.is_file()]:
+            if how == "data_truncated" and "state" in f.parts and f.stat().st_size > 0 and f.suffix != ".json":
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+            if how == "record_garbled" and "record" in f.parts:
+                f.write_text("{garbled")
+            if how == "metadata_deleted" and "metadata" in f.name.lower():
+                f.unlink()
+        restored = Checkpoints(workdir).restore(state(0.0))
+        survived.append(restored is not None and restored[1].rl_step == 1)
+    return all(survived), f"latest step damaged 4 ways -> fell back to the step before {sum(survived)}/4"
+
+
+@scenario("NaN batch in the update")
+def nan_batch():
+    import jax
+    import numpy as np
+    import optax
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.rl.batch import TrajectoryBatch
+    from mtrl_jax.rl.objective import ObjectiveConfig
+    from mtrl_jax.rl.train_step import UpdateConfig, Updater
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = np.ones((4, 8), np.int32)
+    batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((4, 8), np.float32), -np.ones((4, 8), np.float32),
+                            np.array([1.0, np.nan, 0.0, 1.0], np.float32), group_size=2)
+    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig()), optax.adam(1e-2))
+    state = updater.init_state(params, jax.random.PRNGKey(0))
+    new, metrics = updater.update(state, batch)
+    same = all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params)))
+    return same and int(metrics["skipped_steps"]) == 1, f"NaN reward -> step skipped ({int(metrics['skipped_steps'])}), parameters unchanged: {same}"
+
+
+@scenario("non-finite weights on disk")
+def nan_weights(out: pathlib.Path):
+    import numpy as np
+
+    from mtrl_jax.model import load_hf_checkpoint
+    from mtrl_jax.model.hf_io import read_safetensors, write_safetensors
+
+    model = out / "nan_model"
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.copytree(REPO / "tests/fixtures/qwen3_tied", model)
+    weights = next(model.glob("*.safetensors"))
+    tensors = {k: np.array(v) for k, v in read_safetensors(weights).items()}
+    name = sorted(tensors)[0]
+    tensors[name].reshape(-1)[0] = np.nan
+    write_safetensors(tensors, weights)
+    try:
+        load_hf_checkpoint(model)
+    except ValueError as e:
+        return name in str(e) and weights.name in str(e), f"refused: {str(e)[:110]}"
+    return False, "loaded silently"
+
+
+@scenario("bad configurations")
+def bad_configurations(out: pathlib.Path):
+    from configs import default
+    from mtrl_jax.setup import build
+
+    cases = {"global_batch_size": 0, "checkpoint.every_steps": 0, "rl.mini_batches": 3, "rollout.max_tokens_per_turn": 0,
+             "optim.learning_rate": -1.0, "rollout.group_size": 1, "data.weights": "abc", "rl.loss_options": "clip_hihg=1",
+             "warmup.teacher_top_k": "0:1"}
+    named = 0
+    for path, value in cases.items():
+        config = default.get_config()
+        config.data.synthetic = False
+        config.data.folders = str(REPO.parent / "shared/data/cranfield")
+        node = config
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+        start = time.perf_counter()
+        try:
+            build(config, out / "bad_config")
+        except (ValueError, FileNotFoundError) as e:
+            named += leaf in str(e) and time.perf_counter() - start < 30
+    return named == len(cases), f"{named}/{len(cases)} bad values refused naming the field, before warm-up"
+
+
+@scenario("bad data files")
+def bad_data(out: pathlib.Path):
+    from mtrl_jax.data.collection import DataError, load_beir
+
+    corpus = b'{"_id": "d1", "title": "", "text": "pump"}\n'
+    qrels = b"query-id\tcorpus-id\tscore\nq1\td1\t1\n"
+    cases = {"non_utf8": (corpus + b'{"_id": "d2", "text": "\xff"}\n', b'{"_id": "q1", "text": "pump"}\n', "corpus.jsonl:2"),
+             "empty_queries": (corpus, b"", "queries.jsonl: no queries"),
+             "duplicate_ids": (corpus, b'{"_id": "q1", "text": "a"}\n{"_id": "q1", "text": "b"}\n', "queries.jsonl:2"),
+             "bad_json": (corpus + b"{oops\n", b'{"_id": "q1", "text": "pump"}\n', "corpus.jsonl:2")}
+    named = 0
+    for name, (c, q, where) in cases.items():
+        folder = out / "bad_data" / name
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        (folder / "corpus.jsonl").write_bytes(c)
+        (folder / "queries.jsonl").write_bytes(q)
+        (folder / "qrels.tsv").write_bytes(qrels)
+        try:
+            load_beir(folder)
+        except DataError as e:
+            named += where in str(e)
+    return named == len(cases), f"{named}/{len(cases)} bad files reported with file:line"
+
+
+# ----------------------------------------------------------------------------- training subprocesses
+
+
+@scenario("kills during checkpoint saves")
+def kills_during_saves(out: pathlib.Path):
+    workdir = out / "killed"
+    shutil.rmtree(workdir, ignore_errors=True)
+    kills = 0
+    for _ in range(3):
+        proc = train(workdir, "--config.max_steps=4", wait=False)
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline:
+            ckpts = workdir / "checkpoints"
+            if ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir()):
+                proc.send_signal(signal.SIGKILL)  # in the middle of writing a checkpoint
+                kills += 1
+                break
+            time.sleep(0.005)
+        proc.wait()
+    code, _ = train(workdir, "--config.max_steps=4")
+    steps = metric_steps(workdir)
+    good = restorable_steps(workdir)
+    ok = code == 0 and steps == [1, 2, 3, 4] and 4 in good
+    return ok, f"{kills} SIGKILLs mid-save, then resumed: metrics steps {steps}, restorable checkpoints {good}"
+
+
+@scenario("two runs on one work directory")
+def concurrent_runs(out: pathlib.Path):
+    workdir = out / "shared_workdir"
+    shutil.rmtree(workdir, ignore_errors=True)
+    first = train(workdir, "--config.warmup.steps=3000", wait=False)
+    try:
+        while not (workdir / "run.lock").exists() or "pid" not in (workdir / "run.lock").read_text():
+            time.sleep(0.1)
+        start = time.perf_counter()
+        code, output = train(workdir)
+        seconds = time.perf_counter() - start
+    finally:
+        first.kill()
+        first.wait()
+    ok = code != 0 and "in use by pid" in output
+    return ok, f"second run refused in {seconds:.1f} s: {output.strip().splitlines()[-1][-90:]}"
+
+
+@scenario("disk full during a save")
+def disk_full(out: pathlib.Path):
+    workdir = out / "disk_full"
+    shutil.rmtree(workdir, ignore_errors=True)
+    code, _ = train(workdir, "--config.max_steps=2")
+    assert code == 0, "the first run failed"
+
+    def small_disk():  # files may not grow past 64 KiB: the next checkpoint's arrays do not fit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    code_full, output = train(workdir, "--config.max_steps=4", preexec=small_disk)
+    intact = restorable_steps(workdir)
+    code, _ = train(workdir, "--config.max_steps=4")  # space is back
+    steps = metric_steps(workdir)
+    ok = code_full != 0 and 2 in intact and code == 0 and steps == [1, 2, 3, 4]
+    return ok, (f"save failed (exit {code_full}); restorable before the retry {intact}; resumed run: exit {code}, "
+                f"metrics steps {steps}")
+
+
+@scenario("NaN: greedy rollouts (temperature 0)")
+def greedy_rollouts(out: pathlib.Path):
+    import numpy as np
+
+    workdir = out / "greedy"
+    shutil.rmtree(workdir, ignore_errors=True)
+    code, _ = train(workdir, "--config.rollout.temperature=0", "--config.max_steps=2")
+    last = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+    ok = code == 0 and np.isfinite(last["train/loss"]) and last["train/skipped_steps"] == 0 and 2 in restorable_steps(workdir)
+    return ok, f"exit {code}, train/loss {last['train/loss']:.4g}, skipped steps {last['train/skipped_steps']:.0f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="workdirs/fault_drill")
+    parser.add_argument("--quick", action="store_true", help="skip the scenarios that run training subprocesses")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    bad_model_outputs()
+    bad_tool_replies()
+    damaged_checkpoints(out)
+    nan_batch()
+    nan_weights(out)
+    bad_configurations(out)
+    bad_data(out)
+    if not args.quick:
+        kills_during_saves(out)
+        concurrent_runs(out)
+        disk_full(out)
+        greedy_rollouts(out)
+    survived = sum(ok for _, ok, _ in RESULTS)
+    print(f"\n{survived}/{len(RESULTS)} scenarios survived"
+          + (": no checkpoint corrupted, no step lost or duplicated" if survived == len(RESULTS) else ""))
+    sys.exit(0 if survived == len(RESULTS) else 1)
+
+
+if __name__ == "__main__":
+    main()
