@@ -46,6 +46,7 @@ def _grpo(rewards, G):  # ALGORITHMS.md, written out
     return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
 
 
+@pytest.mark.slow
 def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order():
     rewards = [1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7]
     batch = _batch(rewards)

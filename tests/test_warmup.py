@@ -148,10 +148,24 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     losses = done.losses
     assert done.step == 80 and len(losses) == 80 and np.isfinite(losses).all()
     assert np.mean(losses[:4]) > 3.0 and np.mean(losses[-10:]) < 0.1
-    # stopped at step 30 (SIGTERM) and continued from its progress: exactly the same run
+
+
+def test_a_stopped_warmup_continues_exactly():
+    import jax
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.warmup import supervised_warmup
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, tie_word_embeddings=True)
+    rng = np.random.default_rng(1)
+    demos = [(list(rng.integers(3, 30, size=12)), [0] * 4 + [1] * 8) for _ in range(10)]
+    common = dict(steps=12, batch_size=4, learning_rate=1e-2, log=None, full_every=3, full_bucket=16)
+    done = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
+    # stopped at step 5 (SIGTERM) and continued from its progress: exactly the same run
     calls = iter(range(1000))
-    stopped = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 30, **common)
-    assert stopped.step == 30 and len(stopped.losses) == 30
+    stopped = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 5, **common)
+    assert stopped.step == 5 and len(stopped.losses) == 5
     resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
-    assert resumed.step == 80 and resumed.losses == losses
+    assert resumed.step == 12 and resumed.losses == done.losses
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, done.params)
