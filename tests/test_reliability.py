@@ -421,3 +421,25 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
         guard.observe(step, skipped, tmp_path / "checkpoints" / str(step - 1))
     with pytest.raises(FloatingPointError, match=r"RL step 6: 3 RL steps in a row .* The last checkpoint, .*checkpoints/5, holds"):
         guard.observe(6, 2, tmp_path / "checkpoints" / "5")
+
+
+def test_the_analyzer_is_safe_from_many_tool_threads():
+    """Tool workers stem concurrently; a shared Snowball stemmer object corrupts its own state
+    (seen as IndexError in a 3-seed run). Every thread must get the serial result."""
+    import concurrent.futures
+    import random
+
+    from mtrl_jax.search.text import Analyzer
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghilmnoprstuvy") for _ in range(rng.randint(3, 14))) + rng.choice(["ational", "ization", "fulness", "iveness", "ing", "ed", ""])
+             for _ in range(4000)]
+    texts = [" ".join(words[i:i + 40]) for i in range(0, len(words), 40)]
+    expected = [Analyzer(stem="english")(t) for t in texts]
+    from mtrl_jax.search import text as text_module
+
+    text_module._stemmer.cache_clear()  # cold caches: every thread really stems
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            assert list(pool.map(Analyzer(stem="english"), texts)) == expected
+            text_module._stemmer.cache_clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import threading
 
 import snowballstemmer
 
@@ -43,5 +44,15 @@ class Analyzer:
 
 @functools.lru_cache(maxsize=None)
 def _stemmer(language: str):
-    stemmer = snowballstemmer.stemmer(language)
-    return functools.lru_cache(maxsize=1 << 20)(stemmer.stemWord)
+    """A cached ``stemWord`` that is safe to call from many threads (the rollout's tool workers):
+    a Snowball stemmer object keeps its working string in itself, so each thread gets its own."""
+    snowballstemmer.stemmer(language)  # an unknown language fails here, in the caller's thread
+    local = threading.local()
+
+    def stem(word: str) -> str:
+        stemmer = getattr(local, "stemmer", None)
+        if stemmer is None:
+            stemmer = local.stemmer = snowballstemmer.stemmer(language)
+        return stemmer.stemWord(word)
+
+    return functools.lru_cache(maxsize=1 << 20)(stem)
