@@ -73,7 +73,8 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         params = components.params
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
     collector_cfg = dataclasses.replace(components.collector, temperature=temperature, tool_workers=0)  # deterministic
-    collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg, PublishedParams(params, 0))
+    collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg, PublishedParams(params, 0),
+                          components.mesh)
     key = jax.random.PRNGKey(config.seed + 3)
     out.mkdir(parents=True, exist_ok=True)
     results = {}

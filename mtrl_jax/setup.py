@@ -273,5 +273,5 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     tx = make_optimizer(o.learning_rate, run.total_steps * update_cfg.update_epochs * update_cfg.mini_batches,
                         o.schedule, o.warmup_steps, o.grad_clip, o.weight_decay)
     return Components(collections=collections, train_tasks=tuple(train_tasks), val_tasks=tuple(val_tasks), env=env, chat=chat,
-                      mesh=mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx),
+                      mesh=mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx, mesh),
                       collector=collector_cfg, schedule=schedule, run=run, warmup=warmup)

@@ -82,9 +82,9 @@ class Trainer:
         self.record = RunRecord(cursor=DataCursor(shuffle_seed=c.run.seed))
         self.ref_params = None
         self.published = PublishedParams(self.state.params, 0)
-        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published)
+        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published, c.mesh)
         eval_cfg = dataclasses.replace(c.collector, temperature=max(c.run.eval_temperature, 0.0))
-        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published)
+        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published, c.mesh)
         self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False
         self.nonfinite = NonFiniteGuard(c.run.max_nonfinite_steps)
@@ -130,7 +130,7 @@ class Trainer:
             return metrics
         batch = make_batch([t for g in kept for t in g], self.c.run.group_size, self.c.run.length_bucket, self.c.chat.pad_id)
         start = time.perf_counter()
-        self.state, update_metrics = self.c.updater.update(self.state, jax.device_put(batch), self.ref_params)
+        self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / (time.perf_counter() - start)

@@ -25,6 +25,7 @@ import optax
 
 from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.sharding import activate, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
@@ -190,7 +191,7 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
-                      should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+                      should_stop: Optional[Callable[[], bool]] = None, mesh=None) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
     exactly where it stopped).
@@ -235,7 +236,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         else:
             tokens, attention, loss_mask = prefixes
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
-        params, opt_state, loss = step(params, opt_state, tokens[idx], attention[idx], loss_mask[idx])
+        with activate(mesh):
+            params, opt_state, loss = step(params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh))
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
@@ -259,4 +261,4 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
-                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop)
+                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh)

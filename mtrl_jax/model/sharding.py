@@ -7,7 +7,8 @@ sharded over the batch on ``data`` x ``fsdp``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -75,3 +76,39 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 def axis_rules():
     """Context manager activating the table for ``nn.with_logical_constraint`` inside a mesh."""
     return nn.logical_axis_rules(LOGICAL_AXIS_RULES)
+
+
+@contextlib.contextmanager
+def activate(mesh: Optional[Mesh]) -> Iterator[None]:
+    """The mesh and the logical-axis rules, active while jitted code is traced and run, so every
+    ``nn.with_logical_constraint`` in the model takes effect. Both are thread-local: each thread that
+    calls a jitted function (the rollout thread too) enters this itself. ``None``: a no-op."""
+    if mesh is None:
+        yield
+        return
+    with mesh, axis_rules():
+        yield
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The KV cache ``[L, B, S, K, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
+    from mtrl_jax.model.transformer import CACHE_AXES
+
+    return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+
+
+def place_batch(tree, mesh: Optional[Mesh]):
+    """``device_put`` every array of ``tree`` with its leading (batch) axis over ``data`` x ``fsdp``."""
+    if mesh is None:
+        return jax.device_put(tree)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def put(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if x.ndim == 0:
+            return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        if x.shape[0] % shards:
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split over the mesh's data x fsdp = {shards} devices")
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(put, tree)

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.sharding import activate, place_batch
 from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
@@ -172,16 +174,22 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
 
 
 class Updater:
-    """``update_step`` jitted for one model, update config and optimizer."""
+    """``update_step`` jitted for one model, update config and optimizer. With a ``mesh`` it runs with
+    the logical-axis rules active and the batch split over ``data`` x ``fsdp``; the train state keeps
+    the parameters' shardings (the optimizer state follows them)."""
 
-    def __init__(self, model_cfg: ModelConfig, config: UpdateConfig, tx: optax.GradientTransformation):
-        self.model_cfg, self.config, self.tx = model_cfg, config, tx
+    def __init__(self, model_cfg: ModelConfig, config: UpdateConfig, tx: optax.GradientTransformation,
+                 mesh: Optional[Mesh] = None):
+        self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
+        # the state is not donated: its parameters are also the collector's published parameters
         self._update = jax.jit(functools.partial(update_step, model_cfg, config, tx))
 
     def init_state(self, params, rng) -> TrainState:
-        return init_state(self.tx, params, rng)
+        with activate(self.mesh):
+            return init_state(self.tx, params, rng)
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""
-        return self._update(state, batch, ref_params)
+        with activate(self.mesh):
+            return self._update(state, place_batch(batch, self.mesh), ref_params)
 

@@ -74,10 +74,11 @@ class _Slot:
 
 class Collector:
     def __init__(self, model_cfg: ModelConfig, chat: ChatFormat, env: Environment, config: CollectorConfig,
-                 params_source: Callable[[], tuple[object, int]]):
+                 params_source: Callable[[], tuple[object, int]], mesh=None):
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
         self.driver = EpisodeDriver(env, chat, config.max_len)
-        self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn))
+        self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
+                                 mesh=mesh)
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None

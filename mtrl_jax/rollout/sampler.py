@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
 from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.sharding import activate, batch_sharding, cache_sharding, place_batch
 from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from_hidden
 
 # Why a row stopped decoding.
@@ -143,28 +146,38 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(cfg: ModelConfig):
-    """One set of jitted functions per model config, shared by every ``Sampler``."""
-    return (jax.jit(functools.partial(extend, cfg)),
-            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens",)),
-            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1)))
+def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
+    """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
+    and ``decode`` donate the sampler state (the KV cache is updated in place, never copied)."""
+    state_sharding = None
+    if mesh is not None:
+        state_sharding = SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1),
+                                      batch_sharding(mesh, 2))
+    return (jax.jit(functools.partial(extend, cfg), donate_argnums=(1,)),
+            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens",), donate_argnums=(1,)),
+            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding))
 
 
 @dataclasses.dataclass
 class Sampler:
-    """Host-side handle: fixed batch of ``slots`` rows, ``max_len`` cache slots per row."""
+    """Host-side handle: fixed batch of ``slots`` rows, ``max_len`` cache slots per row. With a
+    ``mesh`` the calls run with its logical-axis rules active and the cache split over rows
+    (``data`` x ``fsdp``) and KV heads (``tensor``). A state passed to ``extend`` or ``decode`` is
+    donated: use the returned one."""
 
     cfg: ModelConfig
     slots: int
     max_len: int
     max_new_tokens: int
     min_bucket: int = 16
+    mesh: Optional[Mesh] = None
 
     def __post_init__(self):
-        self._extend, self._decode, self._init = _compiled(self.cfg)
+        self._extend, self._decode, self._init = _compiled(self.cfg, self.mesh)
 
     def init(self) -> SamplerState:
-        return self._init(self.slots, self.max_len)
+        with activate(self.mesh):
+            return self._init(self.slots, self.max_len)
 
     def extend(self, params, state: SamplerState, blocks: Sequence[Sequence[int]]) -> SamplerState:
         """Append ``blocks[b]`` (possibly empty) to each row; lengths are bucketed."""
@@ -176,7 +189,8 @@ class Sampler:
         for row, block in enumerate(blocks):
             tokens[row, :len(block)] = block
         num_new = np.array([len(b) for b in blocks], np.int32)
-        return self._extend(params, state, tokens, num_new)
+        with activate(self.mesh):
+            return self._extend(params, state, *place_batch((tokens, num_new), self.mesh))
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
         """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
@@ -185,9 +199,10 @@ class Sampler:
             row_keys = jax.random.split(row_keys, self.slots)
         if budget is None:
             budget = np.full(self.slots, self.max_new_tokens, np.int32)
-        return self._decode(params, state, row_keys, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-                            jnp.asarray(stop_tokens, jnp.int32), jnp.asarray(active, bool), jnp.asarray(budget, jnp.int32),
-                            max_new_tokens=self.max_new_tokens)
+        rows = (row_keys, np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(stop_tokens, np.int32),
+                np.asarray(active, bool), np.asarray(budget, np.int32))
+        with activate(self.mesh):
+            return self._decode(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens)
 
     def reset_rows(self, state: SamplerState, rows) -> SamplerState:
         """Empty the given rows (a new episode starts there); stale cache entries are masked out."""

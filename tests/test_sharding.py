@@ -1,0 +1,155 @@
+"""Sharding applied, not only declared: one RL step (collect, then update) on 8 fake CPU devices
+equals the single-device step for several mesh shapes, and the compiled programs keep the table's
+shardings for parameters, batches and the KV cache."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec
+
+from mtrl_jax.chat import ChatFormat, train_tokenizer
+from mtrl_jax.data.collection import Task
+from mtrl_jax.model import ModelConfig, init_params
+from mtrl_jax.model.sharding import make_mesh, param_shardings
+from mtrl_jax.model.transformer import abstract_params
+from mtrl_jax.rl.batch import make_batch
+from mtrl_jax.rl.objective import ObjectiveConfig
+from mtrl_jax.rl.train_step import UpdateConfig, Updater
+from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
+from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
+
+MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
+
+
+class CountingEnv(Environment):
+    """Two turns: a tool reply, then the episode ends with a reward from the sampled text."""
+
+    def reset(self, task):
+        return Episode(task), [{"role": "system", "content": "sys"}, {"role": "user", "content": task.query}]
+
+    def step(self, episode, text, hit_token_limit=False):
+        episode.turns.append({"text": text})
+        if hit_token_limit or len(episode.turns) >= 2:
+            episode.status, episode.final_ranking = "ok", []
+            episode.reward = float(len(text) % 5) / 5
+            return StepResult([], True, {})
+        return StepResult([{"role": "tool", "content": f"result for {episode.task.query}"}], False, {})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    chat = ChatFormat(train_tokenizer(["sys user tool result for query alpha beta gamma delta"] * 20, 320))
+    # every sharded dimension divides by 8 (heads and KV heads by the tensor axis of up to 4)
+    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
+                      head_dim=16, qk_norm=True, tie_word_embeddings=False)
+    return chat, cfg, init_params(cfg, jax.random.PRNGKey(0))
+
+
+def one_rl_step(chat, cfg, params, mesh):
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
+    requests = [EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
+                for i in range(16)]
+    collector = Collector(cfg, chat, CountingEnv(), CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6,
+                                                                   tool_workers=0), lambda: (params, 0), mesh)
+    trajectories = collector.run(requests)
+    batch = make_batch(trajectories, 4, 32, chat.pad_id)
+    # plain SGD: Adam's m / sqrt(v) turns float-reordering noise in near-zero gradients into full-size steps
+    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1),
+                      optax.sgd(0.5), mesh)
+    state, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(1)), batch)
+    return trajectories, state, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES)
+def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, shape):
+    assert jax.device_count() >= 8, "conftest sets 8 fake CPU devices"
+    chat, cfg, params = setup
+    ref_trajectories, ref_state, _ = one_rl_step(chat, cfg, params, None)
+    trajectories, state, metrics = one_rl_step(chat, cfg, params, make_mesh(shape))
+    assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]  # the same samples
+    np.testing.assert_allclose([t.behav_logp for t in trajectories][0], ref_trajectories[0].behav_logp, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params)
+    q_proj = state.params["layers"]["attn"]["q_proj"]
+    expected = param_shardings(abstract_params(cfg), make_mesh(shape))["layers"]["attn"]["q_proj"]
+    assert q_proj.sharding.is_equivalent_to(expected, q_proj.ndim)  # the update keeps the table's layout
+    assert q_proj.sharding.is_fully_replicated == (shape[1] * shape[2] == 1)
+
+
+def _spec(sharding):
+    """The partition spec without trailing ``None`` (compiled programs drop them)."""
+    spec = list(sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def test_compiled_update_and_decode_keep_the_table_shardings(setup):
+    chat, cfg, params = setup
+    mesh = make_mesh((2, 2, 2))
+    params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
+    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo")), optax.adam(1e-2), mesh)
+    state = updater.init_state(params, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    from mtrl_jax.model.sharding import activate, place_batch
+    from mtrl_jax.rl.batch import TrajectoryBatch
+
+    tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
+    batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((8, 32), np.float32), -np.ones((8, 32), np.float32),
+                            rng.uniform(size=8).astype(np.float32), group_size=4)
+    with activate(mesh):
+        compiled = updater._update.lower(state, place_batch(batch, mesh), None).compile()
+    (state_in, batch_in, _), _ = compiled.input_shardings
+    (state_out, _) = compiled.output_shardings
+    for where in (state_in, state_out):
+        assert _spec(where.params["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
+        assert not where.params["embed"].is_fully_replicated and not where.params["lm_head"].is_fully_replicated
+    assert _spec(batch_in.tokens)[0] == ("data", "fsdp") and _spec(batch_in.reward)[0] == ("data", "fsdp")
+
+    from mtrl_jax.rollout import sampler as S
+
+    smp = S.Sampler(cfg, slots=8, max_len=64, max_new_tokens=4, mesh=mesh)
+    sampler_state = smp.extend(params, smp.init(), [[1, 2, 3]] * 8)
+    assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), None, "tensor")
+    rows = (jax.random.split(jax.random.PRNGKey(0), 8), np.ones(8, np.float32), np.ones(8, np.float32), np.full((8, 1), -1, np.int32),
+            np.ones(8, bool), np.full(8, 4, np.int32))
+    with activate(mesh):
+        compiled = smp._decode.lower(params, sampler_state, *place_batch(rows, mesh), max_new_tokens=4).compile()
+    (params_in, state_in, *_), _ = compiled.input_shardings
+    state_out, _ = compiled.output_shardings
+    assert _spec(params_in["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
+    for where in (state_in, state_out):
+        assert _spec(where.cache.k) == (None, ("data", "fsdp"), None, "tensor")
+        assert _spec(where.lengths)[0] == ("data", "fsdp")
+    # the cache is donated: the state passed in is consumed, not copied
+    new_state, _ = smp.decode(params, sampler_state, jax.random.PRNGKey(0), [1.0] * 8, [1.0] * 8, [[-1]] * 8, [True] * 8)
+    assert sampler_state.cache.k.is_deleted() and not new_state.cache.k.is_deleted()
+
+
+@pytest.mark.slow
+def test_bfloat16_compute_with_float32_parameters(setup):
+    chat, cfg, params = setup
+    bf16 = cfg.replace(dtype="bfloat16")  # parameters stay float32; log-probs and the loss are float32
+    requests = [EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
+                for i in range(8)]
+    collector = Collector(bf16, chat, CountingEnv(), CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6,
+                                                                    tool_workers=0), lambda: (params, 0))
+    trajectories = collector.run(requests)
+    for i, t in enumerate(trajectories):  # distinct rewards within each group
+        t.reward = float(i % 3)
+    batch = make_batch(trajectories, 4, 32, chat.pad_id)
+    updater = Updater(bf16, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2), optax.adam(1e-3))
+    state = updater.init_state(params, jax.random.PRNGKey(1))
+    for step in range(2):
+        state, metrics = updater.update(state, batch)
+        metrics = jax.device_get(metrics)
+        if step == 0:
+            assert metrics["first_minibatch_ratio_max_dev"] <= 1e-2
+            assert metrics["behav_logp_max_abs_dev"] <= 5e-2
+        assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
+    assert all(x.dtype == jnp.float32 and np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
