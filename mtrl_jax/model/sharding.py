@@ -17,6 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
+# logical axes of the KV cache [layers, batch, cache slots, KV heads, head dim]
+CACHE_AXES = ("layers", "act_batch", "cache_length", "act_kv_heads", "head_dim")
+
 # logical axis name -> mesh axis (or axes, or None = replicated)
 LOGICAL_AXIS_RULES: tuple[tuple[str, Optional[str | tuple[str, ...]]], ...] = (
     # parameters
@@ -92,8 +95,6 @@ def activate(mesh: Optional[Mesh]) -> Iterator[None]:
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """The KV cache ``[L, B, S, K, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
-    from mtrl_jax.model.transformer import CACHE_AXES
-
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
 
 

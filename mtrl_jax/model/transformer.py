@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.sharding import param_shardings
 
 Array = jax.Array
 
@@ -53,7 +54,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     return KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
 
 
-CACHE_AXES = ("layers", "act_batch", "cache_length", "act_kv_heads", "head_dim")
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -265,6 +265,4 @@ def init_params(cfg: ModelConfig, rng: Array, mesh=None):
 
     if mesh is None:
         return jax.jit(init)()
-    from mtrl_jax.model.sharding import param_shardings
-
     return jax.jit(init, out_shardings=param_shardings(abstract_params(cfg), mesh))()
