@@ -187,9 +187,11 @@ class ChatFormat:
         return f"{IM_START}assistant\n{self.assistant_prefix}"
 
     def _encode_parts(self, parts: Sequence[tuple[str, bool]]) -> list[int]:
-        """Encode ``(text, is_content)`` parts as one string, except that control-token text (an added
-        token's string, such as ``<|im_end|>`` or ``<tool_call>``) inside *content* (a query, a tool's
-        output) is encoded as ordinary text: content can never inject a control token."""
+        """Encode ``(text, untrusted)`` parts as one string, except that control-token text (an added
+        token's string, such as ``<|im_end|>`` or ``<tool_call>``) inside an *untrusted* part (a tool's
+        output, which echoes documents and the model's own queries) is encoded as ordinary text, so it
+        can never inject a control token. Parts we author (the system prompt, which names the
+        ``<tool_call>`` tag, and the user's question) are encoded as the chat template would."""
         if self._control is None or not any(content and self._control.search(text) for text, content in parts):
             return self.encode("".join(text for text, _ in parts))
         ids, pending = [], ""
@@ -207,10 +209,7 @@ class ChatFormat:
 
     def prompt(self, messages: Sequence[dict]) -> list[int]:
         """Tokens of the opening messages (system, user, ...) plus the assistant header."""
-        parts = []
-        for m in messages:
-            parts += [(f"{IM_START}{m['role']}\n", False), (m["content"], True), (f"{IM_END}\n", False)]
-        return self._encode_parts(parts + [(self._assistant_header(), False)])
+        return self.encode("".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages) + self._assistant_header())
 
     def continuation(self, messages: Sequence[dict]) -> list[int]:
         """Tokens appended after an assistant turn that ended with ``<|im_end|>``: the environment's
@@ -225,7 +224,7 @@ class ChatFormat:
                     i += 1
                 parts.append((f"{IM_END}\n", False))
             else:
-                parts += [(f"{IM_START}{messages[i]['role']}\n", False), (messages[i]["content"], True), (f"{IM_END}\n", False)]
+                parts.append((f"{IM_START}{messages[i]['role']}\n{messages[i]['content']}{IM_END}\n", False))
                 i += 1
         return self._encode_parts(parts + [(self._assistant_header(), False)])
 
