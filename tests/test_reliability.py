@@ -444,3 +444,16 @@ def test_the_analyzer_is_safe_from_many_tool_threads():
         for _ in range(3):
             assert list(pool.map(Analyzer(stem="english"), texts)) == expected
             text_module._stemmer.cache_clear()
+
+
+def test_a_run_with_a_dead_remote_url_fails_at_start(tmp_path):
+    from mtrl_jax.setup import build
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = _config(**{"data.synthetic": True, "data.folders": "", "search.remote_url": f"http://127.0.0.1:{port}"})
+    start = time.perf_counter()
+    with pytest.raises(ConnectionError, match="the tool server is unreachable"):
+        build(config, tmp_path)
+    assert time.perf_counter() - start < 60 and not (tmp_path / "tokenizer.json").exists()
