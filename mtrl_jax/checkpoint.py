@@ -23,11 +23,12 @@ import socket
 from typing import Any, Optional
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from mtrl_jax.data.schedule import DataCursor
+from mtrl_jax.model.hf_io import is_float
 from mtrl_jax.rl.train_step import TrainState
 
 log = logging.getLogger("mtrl_jax")
@@ -41,7 +42,7 @@ def check_finite(tree, what: str) -> None:
     """Raise ``CheckpointError`` naming the first leaf of ``tree`` with a NaN or an infinity."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         value = np.asarray(leaf)
-        if (np.issubdtype(value.dtype, np.floating) or value.dtype == ml_dtypes.bfloat16) and not np.isfinite(value).all():
+        if is_float(value.dtype) and not np.isfinite(value).all():
             raise CheckpointError(f"{what}: tensor {jax.tree_util.keystr(path)} holds non-finite values "
                                   f"({int((~np.isfinite(value)).sum())} of {value.size})")
 
@@ -72,8 +73,6 @@ class RunRecord:
 
 def abstract_state(tx, params, rng) -> TrainState:
     """Shapes and dtypes of the ``TrainState`` for ``params`` and optimizer ``tx`` (nothing allocated)."""
-    import jax.numpy as jnp
-
     return jax.eval_shape(lambda p, r: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32), r), params, rng)
 
 

@@ -253,10 +253,11 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     rng = np.random.default_rng(components.run.seed)
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
+    tool_probs, top_k_probs = np.array(cfg.tool_probs), np.array(cfg.top_k_probs)
     demos = []
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            policy = teacher_turns(rng, cfg.tools, np.array(cfg.tool_probs), cfg.top_ks, np.array(cfg.top_k_probs))
+            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs)
             demos.append(demonstration_tokens(driver, variant, policy))
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))

@@ -2,14 +2,11 @@
 equals the single-device step for several mesh shapes, and the compiled programs keep the table's
 shardings for parameters, batches and the KV cache."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec
 
 from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Task

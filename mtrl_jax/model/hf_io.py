@@ -36,7 +36,8 @@ _ST_DTYPES = {
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
-def _is_float(dtype) -> bool:
+def is_float(dtype) -> bool:
+    """numpy's floating types and ml_dtypes' bfloat16 (which numpy does not count as floating)."""
     return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
 
 
@@ -294,7 +295,7 @@ def load_hf_checkpoint(
             expected = rule.hf_shape(cfg)
             if tuple(w.shape) != expected:
                 raise ValueError(f"tensor {tensor!r} has shape {tuple(w.shape)}, expected {expected}")
-            if _is_float(w.dtype) and not np.isfinite(w).all():
+            if is_float(w.dtype) and not np.isfinite(w).all():
                 raise ValueError(f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})")
             arrays.append(rule.to_ours(np.asarray(w).astype(np_dtype), cfg))
         value = np.stack(arrays) if rule.per_layer else arrays[0]

@@ -178,12 +178,14 @@ class EpisodeDriver:
 
     def act(self, run: EpisodeRun, hit_token_limit: bool = False) -> StepResult:
         """The environment's reply to the current turn (thread-safe per episode: tools run here)."""
-        return self.env.step(run.episode, self.chat.turn_text(run.turn_tokens), hit_token_limit)
+        text = self.chat.turn_text(run.turn_tokens)
+        run.messages = run.messages + [{"role": "assistant", "content": text}]
+        return self.env.step(run.episode, text, hit_token_limit)
 
     def receive(self, run: EpisodeRun, result: StepResult) -> list[int]:
         """Record ``result`` (from ``act``); returns the block to extend the context with, or ``[]``
         when the episode ended."""
-        run.messages = run.messages + [{"role": "assistant", "content": self.chat.turn_text(run.turn_tokens)}] + result.messages
+        run.messages = run.messages + result.messages
         run.turn_tokens = []
         if result.done:
             return self._finish(run)
