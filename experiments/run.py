@@ -1,6 +1,9 @@
 """Train: ``python -m experiments.run --config=configs/default.py [--workdir=DIR] [--config.rl.loss=cispo]``.
 
-Resumes automatically when the work directory already holds a checkpoint.
+Resumes automatically when the work directory already holds a checkpoint. Several processes (hosts):
+start the same command on each with ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
+(or ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), or with ``--distributed``
+under SLURM or on a TPU pod slice, and one ``--workdir`` on a file system they share.
 """
 
 import logging
@@ -9,10 +12,16 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mtrl_jax import trainer
+from mtrl_jax import distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "ml_collections config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "checkpoints, logs, trajectories and summary.json go here")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "multi-process: HOST:PORT of process 0 "
+                                   "(default: $JAX_COORDINATOR_ADDRESS)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "multi-process: how many (default: $JAX_NUM_PROCESSES)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "multi-process: this one's index (default: $JAX_PROCESS_ID)")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "multi-process, with the rest detected by JAX "
+                                 "(SLURM, a Cloud TPU pod slice, Open MPI, Kubernetes)")
 
 
 def main(argv):
@@ -21,6 +30,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint step at INFO
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.WARNING)
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
     trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

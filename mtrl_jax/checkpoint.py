@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
+from mtrl_jax import distributed
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.model.hf_io import is_float
 from mtrl_jax.rl.train_step import TrainState
@@ -38,13 +38,20 @@ class CheckpointError(RuntimeError):
     """No checkpoint of the work directory restores (or one holds non-finite values)."""
 
 
+@jax.jit
+def _nonfinite_counts(leaves):
+    return [jnp.sum(~jnp.isfinite(x)) for x in leaves]
+
+
 def check_finite(tree, what: str) -> None:
-    """Raise ``CheckpointError`` naming the first leaf of ``tree`` with a NaN or an infinity."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        value = np.asarray(leaf)
-        if is_float(value.dtype) and not np.isfinite(value).all():
+    """Raise ``CheckpointError`` naming the first leaf of ``tree`` with a NaN or an infinity. Counted
+    on the devices (shards stay where they are; with several processes every one takes part)."""
+    leaves = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree) if is_float(leaf.dtype)]
+    counts = jax.device_get(_nonfinite_counts([leaf for _, leaf in leaves]))
+    for (path, leaf), count in zip(leaves, counts):
+        if count:
             raise CheckpointError(f"{what}: tensor {jax.tree_util.keystr(path)} holds non-finite values "
-                                  f"({int((~np.isfinite(value)).sum())} of {value.size})")
+                                  f"({int(count)} of {leaf.size})")
 
 
 @dataclasses.dataclass
@@ -151,10 +158,12 @@ class Checkpoints:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "state", {"params": params, "opt_state": opt_state}, force=True)
         checkpointer.wait_until_finished()
-        (tmp / "progress.json").write_text(json.dumps({"step": step, "rng_state": rng_state, "losses": losses}))
-        if self.warmup_path.exists():
-            shutil.rmtree(self.warmup_path)
-        os.replace(tmp, self.warmup_path)
+        if distributed.is_primary():  # every process wrote its shards; one moves the directory into place
+            (tmp / "progress.json").write_text(json.dumps({"step": step, "rng_state": rng_state, "losses": losses}))
+            if self.warmup_path.exists():
+                shutil.rmtree(self.warmup_path)
+            os.replace(tmp, self.warmup_path)
+        distributed.barrier("warmup-saved")
 
     def restore_warmup(self, like_params, like_opt_state) -> Optional[tuple[Any, Any, dict]]:
         """``(params, opt_state, progress)`` of a saved warm-up, or ``None``."""
@@ -173,7 +182,8 @@ class Checkpoints:
 class WorkdirLock:
     """An exclusive ``flock`` on ``<workdir>/run.lock`` for the life of a run. A second run on the same
     work directory fails at once, naming the holder; the kernel drops the lock of a killed process,
-    so a stale lock file is simply taken over."""
+    so a stale lock file is simply taken over. In a multi-process run the primary process holds it
+    for all of them."""
 
     def __init__(self, workdir: pathlib.Path):
         self.path = pathlib.Path(workdir) / "run.lock"
@@ -181,6 +191,8 @@ class WorkdirLock:
 
     def acquire(self) -> "WorkdirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not distributed.is_primary():
+            return self
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import jax
 
+from mtrl_jax import distributed
 from mtrl_jax.checkpoint import Checkpoints, abstract_state
 from mtrl_jax.metrics import summarize, write_trajectories
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest
@@ -51,9 +52,10 @@ def comparison_table(base: dict, tuned: dict, base_label: str = "base", tuned_la
 
 def run_episodes(collector: Collector, tasks: Sequence, key: jax.Array, samples: int = 1) -> list:
     """``samples`` episodes of each task (consecutive), episode ``i * samples + s`` with the key
-    ``fold_in(key, i * samples + s)``; trajectories in that order."""
+    ``fold_in(key, i * samples + s)``; trajectories in that order. With several processes each runs
+    its share of the tasks and every process gets all trajectories back (a collective)."""
     requests = [EpisodeRequest(t, i, s, jax.random.fold_in(key, i * samples + s)) for i, t in enumerate(tasks) for s in range(samples)]
-    return collector.run(requests)
+    return distributed.exchange(collector.run(distributed.share(requests, samples)))
 
 
 def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: int = 1, tau: float = 0.5,
@@ -73,8 +75,8 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         params = components.params
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
     collector_cfg = dataclasses.replace(components.collector, temperature=temperature, tool_workers=0)  # deterministic
-    collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg, PublishedParams(params, 0),
-                          components.mesh)
+    collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg,
+                          PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0), components.rollout_mesh)
     key = jax.random.PRNGKey(config.seed + 3)
     out.mkdir(parents=True, exist_ok=True)
     results = {}

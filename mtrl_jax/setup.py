@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 import jax
 import optax
 
+from mtrl_jax import distributed
 from mtrl_jax.chat import ChatFormat, tokenizer_seed_texts, train_tokenizer
 from mtrl_jax.data.collection import Collection, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
@@ -76,7 +77,8 @@ class Components:
     val_tasks: tuple
     env: Environment
     chat: ChatFormat
-    mesh: Any
+    mesh: Any  # the global mesh: update, warm-up, log-prob recomputation
+    rollout_mesh: Any  # this process's devices (the global mesh itself with one process): rollouts
     model_cfg: ModelConfig
     params: Any  # the initial policy parameters
     tx: optax.GradientTransformation
@@ -152,10 +154,15 @@ def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collecti
             raise FileNotFoundError(f"{path}: not found; set model.tokenizer")
         return ChatFormat.from_file(path, prefix)
     saved = workdir / "tokenizer.json"
-    if saved.exists():  # resume with the very same tokenizer
+    exists = saved.exists()
+    distributed.barrier("tokenizer-looked")  # every process looked before the primary may write it
+    if exists:  # resume with the very same tokenizer
         return ChatFormat.from_file(saved, prefix)
     if not train_if_missing:
         raise FileNotFoundError(f"{saved}: not found (the tiny model's tokenizer is trained by experiments.run)")
+    if not distributed.is_primary():  # the other processes read the primary's, through the shared work directory
+        distributed.barrier("tokenizer-written")
+        return ChatFormat.from_file(saved, prefix)
     texts = []
     for c in collections.values():
         texts += [f"{d.doc_id} {d.title} {d.text}" for d in c.documents]
@@ -165,6 +172,7 @@ def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collecti
     tokenizer = train_tokenizer(texts + tokenizer_seed_texts(csv(config.search.tools)), config.model.tiny_vocab)
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(saved))
+    distributed.barrier("tokenizer-written")
     return ChatFormat(tokenizer, prefix)
 
 
@@ -268,10 +276,15 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     env = build_environment(config, collections)
     chat = build_chat(config, workdir, collections, env, train_tokenizer_if_missing)
     mesh = make_mesh(tuple(config.model.mesh_shape))
+    rollout_mesh = distributed.rollout_mesh(mesh)
+    rows = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
+    if collector_cfg.slots % rows:
+        raise ValueError(f"rollout_max_concurrency={collector_cfg.slots} (generation rows per process) must be a multiple of "
+                         f"the {rows} devices the rows are split over (data x fsdp of the rollout mesh {dict(rollout_mesh.shape)})")
     model_cfg, params = build_model(config, chat.vocab_size, mesh)
     o = config.optim
     tx = make_optimizer(o.learning_rate, run.total_steps * update_cfg.update_epochs * update_cfg.mini_batches,
                         o.schedule, o.warmup_steps, o.grad_clip, o.weight_decay)
     return Components(collections=collections, train_tasks=tuple(train_tasks), val_tasks=tuple(val_tasks), env=env, chat=chat,
-                      mesh=mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx, mesh),
+                      mesh=mesh, rollout_mesh=rollout_mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx, mesh),
                       collector=collector_cfg, schedule=schedule, run=run, warmup=warmup)

@@ -22,6 +22,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from mtrl_jax import distributed
 from mtrl_jax import metrics as M
 from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
@@ -81,15 +82,20 @@ class Trainer:
         self.state = c.updater.init_state(c.params, jax.random.PRNGKey(c.run.seed))
         self.record = RunRecord(cursor=DataCursor(shuffle_seed=c.run.seed))
         self.ref_params = None
-        self.published = PublishedParams(self.state.params, 0)
-        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published, c.mesh)
+        self.published = PublishedParams(None, 0)
+        self.publish(self.state.params, 0)
+        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published, c.rollout_mesh)
         eval_cfg = dataclasses.replace(c.collector, temperature=max(c.run.eval_temperature, 0.0))
-        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published, c.mesh)
+        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published, c.rollout_mesh)
         self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False
         self.nonfinite = NonFiniteGuard(c.run.max_nonfinite_steps)
 
     # -------------------------------------------------------------- pieces of the loop
+
+    def publish(self, params, version: int) -> None:
+        """Hand ``params`` to the rollouts (a copy on this process's devices when there are several processes)."""
+        self.published.publish(distributed.to_rollout_mesh(params, self.c.rollout_mesh), version)
 
     def requests(self, step: int) -> list[EpisodeRequest]:
         """The ``P x G`` episodes of RL step ``step``: the tasks at the data cursor, a key per episode."""
@@ -100,15 +106,23 @@ class Trainer:
         return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
 
     def collect(self, step: int) -> tuple[list, float]:
+        """This process's share of RL step ``step``'s groups (all of them with one process); may run on
+        the rollout thread, so it talks to no other process (``gather`` does, on the main thread)."""
         start = time.perf_counter()
-        trajectories = self.collector.run(self.requests(step))
         G = self.c.run.group_size
+        trajectories = self.collector.run(distributed.share(self.requests(step), G))
         return [trajectories[i:i + G] for i in range(0, len(trajectories), G)], time.perf_counter() - start
+
+    @staticmethod
+    def gather(groups: list, collect_s: float) -> tuple[list, float]:
+        """Every process's groups of the step, in request order, and the slowest process's collection time."""
+        everything = distributed.exchange([(groups, collect_s)])
+        return [g for part, _ in everything for g in part], max(s for _, s in everything)
 
     def evaluate(self, label: str) -> dict:
         start = time.perf_counter()
         trajectories = run_episodes(self.eval_collector, self.c.val_tasks, jax.random.PRNGKey(self.c.run.seed + 2))
-        if self.c.run.log_trajectories:
+        if self.c.run.log_trajectories and distributed.is_primary():
             M.write_trajectories(self.workdir / "trajectories" / f"eval_{label}.jsonl", trajectories)
         return {**M.summarize(trajectories), "seconds": time.perf_counter() - start}
 
@@ -119,7 +133,7 @@ class Trainer:
         self.record.dropped_groups += len(stale)
         self.record.max_staleness_seen = max([self.record.max_staleness_seen] + lag)
         trajectories = [t for g in fresh for t in g]
-        if self.c.run.log_trajectories:
+        if self.c.run.log_trajectories and distributed.is_primary():
             M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajectories, step + 1)
         metrics = {**M.rollout_metrics(trajectories), "staleness/dropped_groups": len(stale),
                    "staleness/mean": sum(lag) / len(lag) if lag else 0.0}
@@ -154,13 +168,14 @@ class Trainer:
         resume = None if saved is None else WarmupProgress(saved[0], saved[1], saved[2]["step"], saved[2]["rng_state"],
                                                            saved[2]["losses"])
         if resume is None or resume.step < w.steps:
-            resume = warm_up(self.c, params, log=log.info, resume=resume, should_stop=lambda: self.stop_requested)
+            resume = warm_up(self.c, params, log=log.info, resume=resume,
+                             should_stop=lambda: distributed.any_process(self.stop_requested))
             self.checkpoints.save_warmup(resume.params, resume.opt_state, resume.step, resume.rng_state, resume.losses)
             if resume.step < w.steps:
                 log.warning("SIGTERM: warm-up progress written at step %d of %d, exiting", resume.step, w.steps)
                 raise SystemExit(143)
         self.state = self.c.updater.init_state(resume.params, self.state.rng)
-        self.published.publish(resume.params, 0)
+        self.publish(resume.params, 0)
 
     def _begin(self) -> None:
         """Resume from the newest intact checkpoint, or warm up, evaluate the starting policy and save step 0."""
@@ -169,8 +184,9 @@ class Trainer:
         if restored is not None:
             self.state, self.record = restored
             log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
-            M.truncate_logs(self.workdir, self.record.rl_step)
-            self.published.publish(self.state.params, self.record.rl_step)
+            if distributed.is_primary():
+                M.truncate_logs(self.workdir, self.record.rl_step)
+            self.publish(self.state.params, self.record.rl_step)
             self.ref_params = self.checkpoints.restore_reference(self.state.params) if kl else None
         else:
             if self.c.warmup is not None:
@@ -190,10 +206,10 @@ class Trainer:
         try:
             self._begin()
             first, _ = self.start
-            metrics_log = M.MetricsLog(self.workdir, first + 1)
+            metrics_log = M.MetricsLog(self.workdir, first + 1) if distributed.is_primary() else None
             if run.asynchronous and first < run.total_steps:
                 rollouts = AsyncRollouts(self.collect, first, run.max_staleness, first)
-            progress = _progress(run.log_progress, first, run.total_steps)
+            progress = _progress(run.log_progress and distributed.is_primary(), first, run.total_steps)
             for step in range(first, run.total_steps):
                 t0 = time.perf_counter()
                 if rollouts is not None:
@@ -201,11 +217,12 @@ class Trainer:
                     assert got_step == step, (got_step, step)
                 else:
                     groups, collect_s = self.collect(step)
+                groups, collect_s = self.gather(groups, collect_s)
                 wait_s = time.perf_counter() - t0
                 metrics = self.train_on(step, groups)
                 self.record.rl_step = step + 1
                 self.record.cursor = self.c.schedule.advance(self.start[1], step + 1 - first)
-                self.published.publish(self.state.params, step + 1)
+                self.publish(self.state.params, step + 1)
                 if rollouts is not None:
                     rollouts.publish(step + 1)
                 metrics["time/collect_wait_s"] = wait_s
@@ -213,9 +230,11 @@ class Trainer:
                 metrics["time/step_s"] = time.perf_counter() - t0
                 if run.eval_every and (step + 1) % run.eval_every == 0 and step + 1 < run.total_steps:
                     metrics.update(M.flatten(self.evaluate(f"step_{step + 1:06d}"), "eval"))
-                metrics_log.write(step + 1, metrics)
+                if metrics_log is not None:
+                    metrics_log.write(step + 1, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ndcg=f"{metrics['reward/ndcg@10']:.3f}")
+                self.stop_requested = distributed.any_process(self.stop_requested)  # all processes stop at the same step
                 if (step + 1) % run.checkpoint_every == 0 or step + 1 == run.total_steps or self.stop_requested:
                     self.save()
                 if self.stop_requested:
@@ -232,7 +251,8 @@ class Trainer:
         print(M.headline("after RL", after), flush=True)
         summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps,
                    "staleness": self.record.to_json()["staleness"]}
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if distributed.is_primary():
+            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ import optax
 
 from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, place_batch
+from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
@@ -223,7 +223,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
 
     rng = np.random.default_rng(seed)
     if resume is None:
-        opt_state, start, losses = tx.init(params), 0, []
+        opt_state, start, losses = on_mesh(tx.init(params), mesh), 0, []
     else:
         params, opt_state, start, losses = resume.params, resume.opt_state, resume.step, list(resume.losses)
         rng.bit_generator.state = resume.rng_state

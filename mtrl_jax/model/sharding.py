@@ -98,6 +98,21 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
 
 
+def on_mesh(tree, mesh: Optional[Mesh]):
+    """``tree`` with every leaf that is not yet on ``mesh`` (an optimizer's step counter, a PRNG key:
+    values created eagerly on one device) replicated over it, so that every process of a multi-process
+    run holds it as a part of one global array (what Orbax saves, and jitted programs accept)."""
+    if mesh is None:
+        return tree
+
+    def put(x):
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(np.asarray(x), NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree.map(put, tree)
+
+
 def place_batch(tree, mesh: Optional[Mesh]):
     """``device_put`` every array of ``tree`` with its leading (batch) axis over ``data`` x ``fsdp``."""
     if mesh is None:

@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, place_batch
+from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
@@ -186,7 +186,7 @@ class Updater:
 
     def init_state(self, params, rng) -> TrainState:
         with activate(self.mesh):
-            return init_state(self.tx, params, rng)
+            return on_mesh(init_state(self.tx, params, rng), self.mesh)
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""

@@ -1,0 +1,92 @@
+"""Multi-process: two local CPU processes with 4 devices each train (warm-up, 2 RL steps) to the same
+parameters as one process with 8 devices; the run's work directory is written once."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
+        "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.data.max_eval_tasks=3",
+        "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
+        "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=2",
+        "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
+        "--config.model.mesh_shape=(-1,1,1)"]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _final_state(workdir: pathlib.Path, step: int, like=None):
+    """The checkpoint's state and record, onto this process's first device (``like``: the target
+    shapes; needed for a checkpoint written by processes whose devices this one does not have)."""
+    manager = ocp.CheckpointManager(workdir.absolute() / "checkpoints")
+    target = None if like is None else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), like)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                             record=ocp.args.JsonRestore()))
+    return restored["state"], restored["record"]
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
+    single = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'one'}"], cwd=REPO,
+                            env=_env(8), capture_output=True, text=True, timeout=900)
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'two'}",
+                               f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+                              cwd=REPO, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i}:\n" + out[-4000:]
+    assert "process 1 of 2: 4 local devices, 8 in all" in outputs[1]
+
+    one, record_one = _final_state(tmp_path / "one", 2)
+    two, record_two = _final_state(tmp_path / "two", 2, like=one)
+    assert record_one["rl_step"] == record_two["rl_step"] == 2
+    assert record_one["cursor"] == record_two["cursor"]
+    assert int(one["step"]) == int(two["step"]) == 2 * 2  # 2 RL steps x 2 mini-batches
+    before = _final_state(tmp_path / "one", 1)[0]  # checkpoints keep the last 2 steps
+    moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), before["params"], one["params"])))
+    assert moved > 1e-4  # the RL step changed the parameters, so the equality below says something
+    differ = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), one, two))
+    assert max(differ) < 1e-5, max(differ)
+
+    # every process generated its share, the primary wrote each step's groups once, in request order
+    for workdir in ("one", "two"):
+        lines = (tmp_path / workdir / "trajectories" / "step_000002.jsonl").read_text().splitlines()
+        assert [(r["group_id"], r["sample_index"]) for r in map(json.loads, lines)] == [(g, s) for g in range(4) for s in range(2)]
+    metrics = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    summary_one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    summary_two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary_one["after"]["queries"] == summary_two["after"]["queries"] == 3
+    assert summary_one["after"]["ndcg@10"] == pytest.approx(summary_two["after"]["ndcg@10"], abs=1e-6)
+
+
+def test_incomplete_multiprocess_flags_name_what_is_missing():
+    result = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, "--workdir=/nonexistent/never",
+                             "--num_processes=2"], cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "missing: coordinator_address, process_id" in result.stderr
