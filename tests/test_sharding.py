@@ -99,8 +99,7 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
     batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((8, 32), np.float32), -np.ones((8, 32), np.float32),
                             rng.uniform(size=8).astype(np.float32), group_size=4)
-    with activate(mesh):
-        compiled = updater._update.lower(state, place_batch(batch, mesh), None).compile()
+    compiled = updater.lower(state, place_batch(batch, mesh), None).compile()
     (state_in, batch_in, _), _ = compiled.input_shardings
     (state_out, _) = compiled.output_shardings
     for where in (state_in, state_out):
@@ -115,8 +114,7 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), None, "tensor")
     rows = (jax.random.split(jax.random.PRNGKey(0), 8), np.ones(8, np.float32), np.ones(8, np.float32), np.full((8, 1), -1, np.int32),
             np.ones(8, bool), np.full(8, 4, np.int32))
-    with activate(mesh):
-        compiled = smp._decode.lower(params, sampler_state, *place_batch(rows, mesh), max_new_tokens=4).compile()
+    compiled = smp.lower_decode(params, sampler_state, *place_batch(rows, mesh)).compile()
     (params_in, state_in, *_), _ = compiled.input_shardings
     state_out, _ = compiled.output_shardings
     assert _spec(params_in["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
@@ -150,3 +148,29 @@ def test_bfloat16_compute_with_float32_parameters(setup):
             assert metrics["behav_logp_max_abs_dev"] <= 5e-2
         assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
     assert all(x.dtype == jnp.float32 and np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def _update_flops_per_device(cfg, params, mesh) -> float:
+    from mtrl_jax.model.sharding import place_batch
+    from mtrl_jax.rl.batch import TrajectoryBatch
+
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
+    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=2),
+                      optax.adam(1e-2), mesh)
+    tokens = np.random.default_rng(0).integers(1, 300, size=(32, 64)).astype(np.int32)
+    batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((32, 64), np.float32), -np.ones((32, 64), np.float32),
+                            np.linspace(0, 1, 32, dtype=np.float32), group_size=4)
+    compiled = updater.lower(updater.init_state(params, jax.random.PRNGKey(1)), place_batch(batch, mesh)).compile()
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (1, 8, 1)])
+def test_the_update_splits_its_work_over_the_devices(setup, shape):
+    """The logical-axis constraints reach the compiler: each of 8 devices does about 1/8 of the
+    single-device FLOPs (with them silently inactive, the activations were replicated and every
+    device computed the whole batch)."""
+    _, cfg, params = setup
+    ratio = _update_flops_per_device(cfg, params, make_mesh(shape)) / _update_flops_per_device(cfg, params, None)
+    assert ratio < 0.2, ratio

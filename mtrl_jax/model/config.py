@@ -46,6 +46,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
+    scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: no loop, e.g. for XLA's FLOP count)
     attention_impl: Optional[str] = None  # None (XLA) or "cudnn" for jax.nn.dot_product_attention
     # The original HF config.json (as JSON text), kept so an export round-trips extra fields.
     hf_config_json: str = dataclasses.field(default="{}", compare=False, repr=False)

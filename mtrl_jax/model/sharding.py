@@ -89,8 +89,13 @@ def activate(mesh: Optional[Mesh]) -> Iterator[None]:
     if mesh is None:
         yield
         return
-    with mesh, axis_rules():
+    # jax.set_mesh, not ``with mesh``: since JAX 0.7 the latter no longer reaches the sharding
+    # constraints, and every nn.with_logical_constraint would silently be a no-op
+    with _set_mesh(mesh), axis_rules():
         yield
+
+
+_set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:

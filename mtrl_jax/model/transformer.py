@@ -224,6 +224,7 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
+            unroll=cfg.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         x, new_cache = stack(cfg, name="layers")(x, layer_cache, positions, mask[:, None], write_index)

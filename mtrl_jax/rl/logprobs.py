@@ -2,14 +2,12 @@
 
 Both quantities are of the temperature-scaled distribution ``softmax(logits / temperature)``,
 the same quantity the sampler records as ``behav_logp`` (ARCHITECTURE.md, "Behaviour log-probs").
-The chunked path flattens ``B*T`` tokens, pads them to whole chunks, and scans over chunks with
-the per-chunk computation under ``jax.checkpoint``: the backward pass recomputes one chunk's
-logits at a time, so peak memory is ``O(chunk * V)`` instead of ``O(B * T * V)``.
+The chunked path scans over chunks of positions (every row's next few tokens) with the per-chunk
+computation under ``jax.checkpoint``: the backward pass recomputes one chunk's logits at a time,
+so peak memory is ``O(chunk * V)`` instead of ``O(B * T * V)``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import chex
 import jax
@@ -47,27 +45,37 @@ def token_logprobs_dense(hidden, head, targets, temperature=1.0):
 
 
 def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512):
-    """Chunked, rematerialised version of ``token_logprobs_dense`` (same values and gradients)."""
+    """Chunked, rematerialised version of ``token_logprobs_dense`` (same values and gradients).
+
+    A chunk is every row's next ``max(1, chunk_size // B)`` positions (about ``chunk_size`` tokens):
+    the scan runs over time, so each chunk keeps the batch axis, and its sharding over the mesh's
+    ``data`` x ``fsdp`` devices (a chunk of flattened tokens would sit on one device and be computed
+    on all of them)."""
     B, T, D = hidden.shape
     chex.assert_shape(targets, (B, T))
     chex.assert_rank(head, 2)
-    n = B * T
-    chunk = max(1, min(chunk_size, n))
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n
-    flat_h = jnp.pad(hidden.reshape(n, D), ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-    flat_t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, chunk)
-    temp = _per_token_temperature(temperature, (B, T)).reshape(n)
-    flat_temp = jnp.pad(temp, (0, pad), constant_values=1.0).reshape(n_chunks, chunk)
+    width = max(1, min(T, chunk_size // B))
+    n_chunks = -(-T // width)
+    pad = n_chunks * width - T
 
-    body = jax.checkpoint(functools.partial(_logp_entropy, head=head))
+    def chunked(x, fill=0):  # [B, T, ...] -> [n_chunks, B, width, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(B, n_chunks, width, *x.shape[2:]), 1, 0)
 
-    def step(carry, xs):
-        h, t, tau = xs
-        return carry, body(h, targets=t, temperature=tau)
+    temp = _per_token_temperature(temperature, (B, T))
+    xs = (chunked(hidden), chunked(targets), chunked(temp, fill=1.0))
 
-    _, (logp, entropy) = jax.lax.scan(step, None, (flat_h, flat_t, flat_temp))
-    return logp.reshape(-1)[:n].reshape(B, T), entropy.reshape(-1)[:n].reshape(B, T)
+    @jax.checkpoint
+    def body(h, t, tau):
+        logp, entropy = _logp_entropy(h.reshape(B * width, D), head, t.reshape(-1), tau.reshape(-1))
+        return logp.reshape(B, width), entropy.reshape(B, width)
+
+    def step(carry, x):
+        return carry, body(*x)
+
+    _, (logp, entropy) = jax.lax.scan(step, None, xs)
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n_chunks * width)[:, :T]  # noqa: E731
+    return unchunk(logp), unchunk(entropy)
 
 
 def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512):

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -85,6 +86,11 @@ def init_state(tx: optax.GradientTransformation, params, rng) -> TrainState:
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), rng)
 
 
+def split_rows(x: jax.Array) -> jax.Array:
+    """``x [B, ...]`` constrained to its rows over ``data`` x ``fsdp`` (a no-op without a mesh)."""
+    return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
+
+
 def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_batches: int) -> jax.Array:
     """``[update_epochs * mini_batches, batch_size // mini_batches]`` int32 row indices: optimizer step
     ``s`` trains on rows ``order[s]``. Each epoch is a fresh permutation of all rows (one key per
@@ -141,9 +147,13 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         mb = jax.tree.map(lambda x: x[rows], data)
         mask = mb["loss_mask"]
         norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
-        micro = jax.tree.map(lambda x: x.reshape(cfg.micro_batches, -1, *x.shape[1:]), mb)
+        # micro-batch j takes rows j, j + m, j + 2m, ...: the scanned axis is the minor one, so every
+        # micro-batch keeps its rows spread over all the batch's devices
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, cfg.micro_batches, *x.shape[1:]), 0, 1), mb)
 
         def accumulate(grads, micro_batch):
+            # the gathered rows (a permutation) come out of the gather unsharded: split them over the batch axes
+            micro_batch = jax.tree.map(split_rows, micro_batch)
             (_, metrics), g = grad_fn(params, micro_batch, norms)
             return jax.tree.map(jnp.add, grads, g), metrics
 
@@ -187,6 +197,12 @@ class Updater:
     def init_state(self, params, rng) -> TrainState:
         with activate(self.mesh):
             return on_mesh(init_state(self.tx, params, rng), self.mesh)
+
+    def lower(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
+        """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
+        ``.compile()`` and its memory and cost analyses (``scripts/plan_scale.py``)."""
+        with activate(self.mesh):
+            return self._update.lower(state, batch, ref_params)
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""

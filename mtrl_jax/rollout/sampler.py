@@ -204,6 +204,12 @@ class Sampler:
         with activate(self.mesh):
             return self._decode(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens)
 
+    def lower_decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget):
+        """``decode`` lowered for these (abstract, placed) arguments, for ``scripts/plan_scale.py``."""
+        with activate(self.mesh):
+            return self._decode.lower(params, state, row_keys, temperature, top_p, stop_tokens, active, budget,
+                                      max_new_tokens=self.max_new_tokens)
+
     def reset_rows(self, state: SamplerState, rows) -> SamplerState:
         """Empty the given rows (a new episode starts there); stale cache entries are masked out."""
         rows = jnp.asarray(rows, bool)

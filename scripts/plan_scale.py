@@ -1,0 +1,231 @@
+"""What fits where, measured by the compiler: the update step and the decode step of a published
+model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing allocated.
+
+    python scripts/plan_scale.py --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
+    python scripts/plan_scale.py --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
+
+Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
+the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
+``update_step`` (Adam, PPO loss, one mini-batch of ``--batch`` rows split into ``--micro_batches``);
+the decode step is the sampler's own ``decode`` for ``--slots`` rows with a ``--max_len`` KV cache,
+one token per row. Printed per device, from the compiled programs' ``memory_analysis()`` and
+``cost_analysis()``: bytes of arguments, outputs, temporaries and their peak (arguments + outputs -
+aliased + temporaries), FLOPs, and the step time implied at the target's bf16 peak and ``--mfu``.
+
+These are CPU-compiled estimates: XLA:CPU fuses and schedules differently from XLA:GPU / XLA:TPU,
+so temporaries are indicative, and parameter / optimizer / cache bytes are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODELS = REPO / "configs" / "models"
+
+# bf16 dense peak (TFLOP/s), memory per device (GiB as the runtime reports it), HBM bandwidth (TB/s)
+TARGETS = {
+    "a100-80gb": (312.0, 79.2, 2.04),
+    "h100-80gb": (989.0, 79.6, 3.35),
+    "h200": (989.0, 139.8, 4.8),
+    "tpu-v5p": (459.0, 95.0, 2.76),
+    "tpu-v5e": (197.0, 16.0, 0.82),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help=f"one of {sorted(f.stem for f in MODELS.glob('*.json'))}, or a path to an HF config.json")
+    p.add_argument("--devices", type=int, required=True, help="number of devices (fake CPU devices here)")
+    p.add_argument("--mesh", required=True, help="data,fsdp,tensor (their product is --devices)")
+    p.add_argument("--batch", type=int, required=True, help="trajectories per optimizer step (rows of the update)")
+    p.add_argument("--seq", type=int, required=True, help="tokens per trajectory (padded length)")
+    p.add_argument("--micro_batches", type=int, default=1, help="gradient accumulation steps per mini-batch")
+    p.add_argument("--slots", type=int, default=0, help="rollout rows decoded at once (default: --batch)")
+    p.add_argument("--max_len", type=int, default=0, help="KV-cache length per rollout row (default: --seq)")
+    p.add_argument("--param_dtype", default="float32", help="parameter (and Adam state) dtype")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--no_remat", action="store_true", help="keep every layer's activations for the backward pass")
+    p.add_argument("--kl", action="store_true", help="with a KL term (a reference copy of the parameters)")
+    p.add_argument("--target", default="h100-80gb", choices=sorted(TARGETS), help="device for the fit and timing")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for the step time")
+    p.add_argument("--only", choices=("update", "decode"), help="compile only one of the two programs")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    args = p.parse_args(argv)
+    try:
+        args.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
+    except ValueError:
+        p.error(f"--mesh {args.mesh!r}: expected three integers data,fsdp,tensor")
+    if len(args.mesh_shape) != 3 or any(x < 1 for x in args.mesh_shape):
+        p.error(f"--mesh {args.mesh!r}: expected three positive integers data,fsdp,tensor")
+    if args.mesh_shape[0] * args.mesh_shape[1] * args.mesh_shape[2] != args.devices:
+        p.error(f"--mesh {args.mesh} has {args.mesh_shape[0] * args.mesh_shape[1] * args.mesh_shape[2]} devices, --devices is {args.devices}")
+    args.slots = args.slots or args.batch
+    args.max_len = args.max_len or args.seq
+    return args
+
+
+def model_config(name: str, args):
+    from mtrl_jax.model.config import ModelConfig
+
+    path = pathlib.Path(name) if name.endswith(".json") else MODELS / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"--model {name}: {path} not found; known: {sorted(f.stem for f in MODELS.glob('*.json'))}")
+    return ModelConfig.from_hf(json.loads(path.read_text()), str(path), dtype=args.dtype, param_dtype=args.param_dtype,
+                               remat=not args.no_remat)
+
+
+def _abstract(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    out = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+           "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
+    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    return out
+
+
+def _flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def flops_per_step(compile_for, cfg) -> float:
+    """XLA's cost analysis counts a loop's body once, whatever its trip count. So the FLOPs come from
+    programs without loops (``compile_for(cfg, flop_count=True)``: one mini-/micro-batch, one log-prob
+    chunk, the layer scan unrolled) of 1 and 2 layers, extrapolated linearly to ``cfg.num_layers``."""
+    one, two = (_flops(compile_for(cfg.replace(num_layers=n, scan_unroll=n), flop_count=True)) for n in (1, 2))
+    return one + (cfg.num_layers - 1) * (two - one)
+
+
+def compile_update(cfg, mesh, args, flop_count: bool = False):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from mtrl_jax.model.sharding import batch_sharding, param_shardings
+    from mtrl_jax.model.transformer import abstract_params
+    from mtrl_jax.rl.batch import TrajectoryBatch
+    from mtrl_jax.rl.objective import ObjectiveConfig
+    from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater
+
+    boxed = abstract_params(cfg)
+    params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
+    tx = optax.adam(1e-6)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # Adam's moments keep their parameter's sharding (as the trainer's eager tx.init does); its counter is replicated
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, jax.tree.map(lambda p: p.sharding, params),
+                                          transform_non_params=lambda _: replicated)
+    opt_state = _abstract(abstract_opt, opt_shardings)
+    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                       jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated))
+    B, T = args.batch, args.seq
+    rows = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=batch_sharding(mesh, 2))  # noqa: E731
+    batch = TrajectoryBatch(tokens=rows(jnp.int32), attention_mask=rows(jnp.int32), loss_mask=rows(jnp.float32),
+                            behav_logp=rows(jnp.float32),
+                            reward=jax.ShapeDtypeStruct((B,), jnp.float32, sharding=batch_sharding(mesh, 1)), group_size=8)
+    config = UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.001 if args.kl else 0.0),
+                          micro_batches=1 if flop_count else args.micro_batches, logprob_chunk=B * T if flop_count else 512)
+    return Updater(cfg, config, tx, mesh).lower(state, batch, params if args.kl else None).compile()
+
+
+def compile_decode(cfg, mesh, args, flop_count: bool = False):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from mtrl_jax.model.sharding import batch_sharding, cache_sharding, param_shardings
+    from mtrl_jax.model.transformer import KVCache, abstract_params
+    from mtrl_jax.rollout.sampler import SamplerState, Sampler, init_state
+
+    boxed = abstract_params(cfg)
+    params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
+    sampler = Sampler(cfg, args.slots, args.max_len, 1, mesh=mesh)
+    shapes = jax.eval_shape(lambda: init_state(cfg, args.slots, args.max_len))
+    state = _abstract(shapes, SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1),
+                                           batch_sharding(mesh, 2)))
+    S = args.slots
+    row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
+    return sampler.lower_decode(params, state, row((S, 2), jnp.uint32), row((S,), jnp.float32), row((S,), jnp.float32),
+                                row((S, 2), jnp.int32), row((S,), jnp.bool_), row((S,), jnp.int32)).compile()
+
+
+def plan(compile_for, cfg, mesh, args) -> dict:
+    """Memory of the program as it runs; FLOPs per step (``flops_per_step``); the time at the target."""
+    figures = _memory(compile_for(cfg, mesh, args))
+    figures["flops"] = flops_per_step(lambda c, flop_count: compile_for(c, mesh, args, flop_count), cfg)
+    figures["seconds"] = figures["flops"] / (TARGETS[args.target][0] * 1e12 * args.mfu)
+    return figures
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(REPO))
+    import flax.linen as nn
+    import jax
+
+    from mtrl_jax.model.sharding import make_mesh
+    from mtrl_jax.model.transformer import abstract_params
+
+    if jax.device_count() < args.devices:
+        raise SystemExit(f"JAX sees {jax.device_count()} devices, --devices is {args.devices} (was jax imported before?)")
+    cfg = model_config(args.model, args)
+    mesh = make_mesh(args.mesh_shape)
+    n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(abstract_params(cfg))))
+    peak_tflops, memory_gib, bandwidth = TARGETS[args.target]
+    out = {"model": args.model, "params": n_params, "devices": args.devices, "mesh": args.mesh, "batch": args.batch,
+           "seq": args.seq, "micro_batches": args.micro_batches, "slots": args.slots, "max_len": args.max_len,
+           "param_dtype": args.param_dtype, "dtype": args.dtype, "remat": not args.no_remat, "kl": args.kl,
+           "target": args.target, "mfu": args.mfu}
+    if args.only != "decode":
+        out["update"] = plan(compile_update, cfg, mesh, args)
+        out["update"]["tokens_per_s"] = args.batch * args.seq / out["update"]["seconds"] if out["update"]["seconds"] else 0.0
+    if args.only != "update":
+        decode = plan(compile_decode, cfg, mesh, args)
+        decode["bandwidth_seconds"] = decode["argument_bytes"] / (bandwidth * 1e12)  # every weight and cache byte read once
+        out["decode"] = decode
+    for name in ("update", "decode"):
+        if name in out:
+            out[name]["fits"] = out[name]["peak_bytes"] <= memory_gib * 2**30 * 0.9  # 10% for the runtime
+    if args.json:
+        print(json.dumps(out))
+        return out
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+    print(f"{args.model} ({n_params / 1e9:.2f} B parameters, {args.param_dtype} parameters, {args.dtype} compute, "
+          f"remat {not args.no_remat}) on {args.devices} devices, mesh (data, fsdp, tensor) = ({args.mesh})")
+    print(f"target {args.target}: {peak_tflops:.0f} TFLOP/s bf16 peak, {memory_gib:.1f} GiB, {bandwidth} TB/s; "
+          f"times at {args.mfu:.0%} MFU. CPU-compiled estimates, per device.")
+    for name, what in (("update", f"update step: {args.batch} x {args.seq} tokens, {args.micro_batches} micro-batch(es), Adam"),
+                       ("decode", f"decode step: {args.slots} rows x 1 token, KV cache of {args.max_len}")):
+        if name not in out:
+            continue
+        f = out[name]
+        print(f"\n{what}")
+        print(f"  arguments {gib(f['argument_bytes'])}   outputs {gib(f['output_bytes'])}   aliased {gib(f['alias_bytes'])}   "
+              f"temporaries {gib(f['temp_bytes'])}")
+        print(f"  peak      {gib(f['peak_bytes'])}   {'fits' if f['fits'] else 'does NOT fit'} in 90% of {memory_gib:.1f} GiB")
+        print(f"  {f['flops'] / 1e12:.2f} TFLOP per device -> {f['seconds'] * 1e3:.1f} ms at {args.mfu:.0%} MFU")
+        if name == "update":
+            print(f"  {f['tokens_per_s']:,.0f} trained tokens/s on the {args.devices} devices")
+        else:
+            print(f"  {f['bandwidth_seconds'] * 1e3:.2f} ms to read the weights and cache once at {bandwidth} TB/s "
+                  f"(decode is bound by this, not by FLOPs)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
