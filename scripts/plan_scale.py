@@ -3,6 +3,7 @@ model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing a
 
     python scripts/plan_scale.py --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
     python scripts/plan_scale.py --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
+    python scripts/plan_scale.py --table    # the README's table: every model on 8 GPUs and on a v5p-64 slice
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
@@ -39,12 +40,13 @@ TARGETS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
+    p.add_argument("--table", action="store_true", help="compile TABLE_ROWS for every model and print the README's table")
+    p.add_argument("--model",
                    help=f"one of {sorted(f.stem for f in MODELS.glob('*.json'))}, or a path to an HF config.json")
-    p.add_argument("--devices", type=int, required=True, help="number of devices (fake CPU devices here)")
-    p.add_argument("--mesh", required=True, help="data,fsdp,tensor (their product is --devices)")
-    p.add_argument("--batch", type=int, required=True, help="trajectories per optimizer step (rows of the update)")
-    p.add_argument("--seq", type=int, required=True, help="tokens per trajectory (padded length)")
+    p.add_argument("--devices", type=int, help="number of devices (fake CPU devices here)")
+    p.add_argument("--mesh", help="data,fsdp,tensor (their product is --devices)")
+    p.add_argument("--batch", type=int, help="trajectories per optimizer step (rows of the update)")
+    p.add_argument("--seq", type=int, help="tokens per trajectory (padded length)")
     p.add_argument("--micro_batches", type=int, default=1, help="gradient accumulation steps per mini-batch")
     p.add_argument("--slots", type=int, default=0, help="rollout rows decoded at once (default: --batch)")
     p.add_argument("--max_len", type=int, default=0, help="KV-cache length per rollout row (default: --seq)")
@@ -57,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=("update", "decode"), help="compile only one of the two programs")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args(argv)
+    if args.table:
+        return args
+    missing = [f"--{name}" for name in ("model", "devices", "mesh", "batch", "seq") if getattr(args, name) is None]
+    if missing:
+        p.error(f"missing {', '.join(missing)} (or --table)")
     try:
         args.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     except ValueError:
@@ -170,8 +177,48 @@ def plan(compile_for, cfg, mesh, args) -> dict:
     return figures
 
 
+# (devices, mesh, rows per update, micro-batches, decode slots, targets): one micro-batch row per device,
+# 8 samples per prompt; the rollouts decode on the same mesh (one process per host: single-host runs)
+TABLE_ROWS = [(8, "1,8,1", 64, 8, 64, ("h100-80gb", "h200")), (64, "1,64,1", 512, 8, 512, ("tpu-v5p",))]
+TABLE_SEQ, TABLE_CACHE = 2048, 4096
+
+
+def table() -> str:
+    """Compile every model of ``configs/models`` at each ``TABLE_ROWS`` size (bf16 parameters and
+    compute, remat, as configs/qwen3_search.py) in a subprocess of its own, and tabulate."""
+    import subprocess
+
+    lines = ["| model | devices, mesh (data,fsdp,tensor) | update: rows x tokens (micro) | GiB/device | "
+             "decode: slots x cache | GiB/device | target | update fits | decode fits | update s @40% MFU | "
+             "decode ms/token (HBM-bound) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    models = sorted((f.stem for f in MODELS.glob("*.json")), key=lambda m: float(m.split("-")[1].rstrip("b")))
+    for devices, mesh, rows, micro, slots, targets in TABLE_ROWS:
+        for model in models:
+            cmd = [sys.executable, __file__, "--model", model, "--devices", str(devices), "--mesh", mesh, "--batch", str(rows),
+                   "--seq", str(TABLE_SEQ), "--micro_batches", str(micro), "--slots", str(slots), "--max_len", str(TABLE_CACHE),
+                   "--param_dtype", "bfloat16", "--json"]
+            run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+            if run.returncode:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
+            out = json.loads(run.stdout.strip().splitlines()[-1])
+            u, d = out["update"], out["decode"]
+            for target in targets:
+                peak, memory_gib, bandwidth = TARGETS[target]
+                fits = lambda f: "yes" if f["peak_bytes"] <= memory_gib * 2**30 * 0.9 else "**no**"  # noqa: E731
+                lines.append(
+                    f"| {model} ({out['params'] / 1e9:.1f} B) | {devices}, ({mesh}) | {rows} x {TABLE_SEQ} ({micro}) | "
+                    f"{u['peak_bytes'] / 2**30:.1f} | {slots} x {TABLE_CACHE} | {d['peak_bytes'] / 2**30:.1f} | "
+                    f"{target} ({memory_gib:.0f} GiB) | {fits(u)} | {fits(d)} | {u['flops'] / (peak * 1e12 * 0.4):.2f} | "
+                    f"{max(d['argument_bytes'] / (bandwidth * 1e12), d['flops'] / (peak * 1e12 * 0.4)) * 1e3:.2f} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        print(table())
+        return None
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(REPO))
