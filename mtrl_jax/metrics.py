@@ -17,6 +17,7 @@ import math
 import pathlib
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from mtrl_jax.rl.advantages import passk_weights
@@ -74,6 +75,14 @@ def summarize(trajectories: Sequence, samples_per_task: int = 1, k: int | None =
         out[f"max@{k}"] = float(np.mean([max_at_k(g, k) for g in groups]))
         out["pass_threshold"] = tau
     return out
+
+
+def peak_device_memory_gib() -> Optional[float]:
+    """The largest ``peak_bytes_in_use`` of this process's devices, in GiB; ``None`` where the
+    backend reports no memory statistics (CPU)."""
+    peaks = [stats["peak_bytes_in_use"] for stats in (d.memory_stats() for d in jax.local_devices())
+             if stats and "peak_bytes_in_use" in stats]
+    return max(peaks) / 2**30 if peaks else None
 
 
 def rollout_metrics(trajectories: Sequence) -> dict:

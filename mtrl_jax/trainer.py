@@ -228,6 +228,8 @@ class Trainer:
                 metrics["time/collect_wait_s"] = wait_s
                 metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / max(collect_s, 1e-9)
                 metrics["time/step_s"] = time.perf_counter() - t0
+                if (peak := M.peak_device_memory_gib()) is not None:
+                    metrics["memory/peak_device_gib"] = peak
                 if run.eval_every and (step + 1) % run.eval_every == 0 and step + 1 < run.total_steps:
                     metrics.update(M.flatten(self.evaluate(f"step_{step + 1:06d}"), "eval"))
                 if metrics_log is not None:
