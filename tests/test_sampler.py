@@ -144,12 +144,14 @@ def test_bucketed_shapes_reuse_compiled_programs(model_params):
     compiled = lambda fn: fn._cache_size()  # noqa: E731 - programs in the jit cache (one per new shape)
     extend0, decode0 = compiled(smp._extend), compiled(smp._decode)
     state = smp.init()
-    for n in [3, 9, 16, 5, 12, 1]:  # all in the 16 bucket
+    for n in [3, 9, 16, 5, 12, 1]:  # all in the 16 bucket, rows within the first 64-slot window
         state = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
     assert compiled(smp._extend) - extend0 == 1
-    for n in [17, 30, 2]:  # one new bucket (32)
+    for n in [17, 30]:  # one new block bucket (32), longest row past 64 slots: the 96-slot window
         state = smp.extend(params, state, [[1] * n, [], [3]])
     assert compiled(smp._extend) - extend0 == 2
+    state = smp.extend(params, state, [[1] * 2, [], [3]])  # block bucket 16 again, now with the 96-slot window
+    assert compiled(smp._extend) - extend0 == 3
     for seed, temp in enumerate([0.5, 1.0, 0.0]):  # new temperatures are arrays: no recompile
         state, _ = smp.decode(params, state, jax.random.PRNGKey(seed), [temp] * 3, [0.9] * 3, [[-1]] * 3, [True] * 3)
     assert compiled(smp._decode) - decode0 == 1

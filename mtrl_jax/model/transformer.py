@@ -21,7 +21,10 @@ step (``logits_from_hidden``) so training can compute log-probs in chunks withou
 
 KV cache: right-padded slots ``[L, B, S, K, H]``. A call writes its ``T`` new tokens of row ``b``
 at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and attends to every cache index
-``<= offsets[b] + t``. Positions (RoPE) equal cache indices.
+``<= offsets[b] + t``. Positions (RoPE) equal cache indices. The whole cache is the layer scan's
+carry, updated in place (a scatter of the new tokens), never re-stacked; and a call reads only the
+first ``window`` slots (static, a bucket above the longest row), so its cost follows the tokens the
+rows hold, not the cache's capacity.
 """
 
 from __future__ import annotations
@@ -107,8 +110,9 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv, write_index):
-        """``x [B, T, D]``; ``mask [B, 1, T, S]``; ``cache_kv`` None or ``(k, v) [B, S, K, H]``;
+    def __call__(self, x, positions, mask, cache_kv, layer, write_index):
+        """``x [B, T, D]``; ``mask [B, 1, T, W]``; ``cache_kv`` None or the whole cache ``(k, v)
+        [L, B, S, K, H]``, of which this is layer ``layer``, attending to its first ``W`` slots;
         ``write_index [B, T]`` cache index of each new token (out of range = not written)."""
         cfg = self.config
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -135,9 +139,13 @@ class Attention(nn.Module):
 
         if cache_kv is not None:
             rows = jnp.arange(k.shape[0])[:, None]
-            cache_k = cache_kv[0].at[rows, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
-            cache_v = cache_kv[1].at[rows, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
-            k, v, cache_kv = cache_k, cache_v, (cache_k, cache_v)
+            cache_k = cache_kv[0].at[layer, rows, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
+            cache_v = cache_kv[1].at[layer, rows, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
+            _, B, _, K_, H_ = cache_k.shape
+            window = (1, B, mask.shape[-1], K_, H_)
+            k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]
+            v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
+            cache_kv = (cache_k, cache_v)
         out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask, implementation=cfg.attention_impl)
         out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dtype))
         return out, cache_kv
@@ -162,13 +170,15 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cache_kv, positions, mask, write_index):
+    def __call__(self, carry, layer, positions, mask, write_index):
+        """``carry = (x, cache)``: the hidden states and the whole cache (or None), layer ``layer``'s turn."""
+        x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="input_norm")(x), positions, mask, cache_kv, write_index)
+            RMSNorm(self.config, name="input_norm")(x), positions, mask, cache_kv, layer, write_index)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        return x, cache_kv
+        return (x, cache_kv), None
 
 
 class Transformer(nn.Module):
@@ -183,6 +193,7 @@ class Transformer(nn.Module):
         attention_mask: Optional[Array] = None,
         cache: Optional[KVCache] = None,
         offsets: Optional[Array] = None,
+        window: Optional[int] = None,
     ):
         """Two modes.
 
@@ -190,6 +201,8 @@ class Transformer(nn.Module):
           (1 = real token); positions are ``0..T-1``.
         * With ``cache`` and ``offsets [B]`` (sampling): the new ``tokens [B, T]`` of row ``b`` go to
           cache indices ``offsets[b] + t`` where ``attention_mask[b, t]``; returns the updated cache.
+          Attention reads the first ``window`` slots (default: all); every row's ``offsets[b] + T``
+          must be within it.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -210,8 +223,8 @@ class Transformer(nn.Module):
             layer_cache = None
         else:
             positions = offsets[:, None] + steps[None, :]
-            key_index = jnp.arange(cache.max_len)
-            mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            key_index = jnp.arange(min(window or cache.max_len, cache.max_len))
+            mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, W]
             write_index = jnp.where(attention_mask, positions, cache.max_len)  # out of range: dropped
             layer_cache = (cache.k, cache.v)
 
@@ -222,12 +235,13 @@ class Transformer(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
             length=cfg.num_layers,
             unroll=cfg.scan_unroll,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, new_cache = stack(cfg, name="layers")(x, layer_cache, positions, mask[:, None], write_index)
+        (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask[:, None],
+                                                      write_index)
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 
@@ -246,9 +260,9 @@ def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
     return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
-def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None):
+def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None):
     """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``."""
-    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets)
+    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets, window)
 
 
 def abstract_params(cfg: ModelConfig):

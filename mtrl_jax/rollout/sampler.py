@@ -52,11 +52,13 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
                         jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype))
 
 
-def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array) -> SamplerState:
-    """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded)."""
+def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
+           window: Optional[int] = None) -> SamplerState:
+    """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded). Attention
+    reads the cache's first ``window`` slots (static; default all): every row's length + ``T`` must fit."""
     T = tokens.shape[1]
     valid = jnp.arange(T)[None, :] < num_new[:, None]
-    hidden, cache = forward(cfg, params, tokens, valid, state.cache, state.lengths)
+    hidden, cache = forward(cfg, params, tokens, valid, state.cache, state.lengths, window)
     last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     last_hidden = jnp.where((num_new > 0)[:, None], last, state.last_hidden)
     return SamplerState(cache, state.lengths + num_new.astype(jnp.int32), last_hidden)
@@ -64,7 +66,7 @@ def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num
 
 def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, max_len: int) -> SamplerState:
     """A fresh cache of ``max_len`` slots holding ``tokens[b, :lengths[b]]``."""
-    return extend(cfg, params, init_state(cfg, tokens.shape[0], max_len), tokens, lengths)
+    return extend(cfg, params, init_state(cfg, tokens.shape[0], max_len), tokens, lengths, tokens.shape[1])
 
 
 def next_token_logits(cfg: ModelConfig, params, state: SamplerState) -> jax.Array:
@@ -94,7 +96,7 @@ def sample_tokens(logits, keys, temperature, top_p):
 
 
 def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature, top_p, stop_tokens, active,
-           budget, max_new_tokens: int) -> tuple[SamplerState, DecodeOutput]:
+           budget, max_new_tokens: int, window: Optional[int] = None) -> tuple[SamplerState, DecodeOutput]:
     """Sample up to ``min(budget[b], max_new_tokens)`` tokens per active row.
 
     ``row_keys [B]``: one PRNG key per row; the token at cache position ``p`` is drawn with
@@ -102,9 +104,11 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
     how decoding is split into calls. ``temperature``, ``top_p`` ``[B]`` float; ``stop_tokens
     [B, n]`` int32 (-1 = unused); ``active [B]`` bool; ``budget [B]`` int32. A stop token is kept
     (written to the cache and returned). Rows that are inactive or have stopped write nothing.
+    Attention reads the first ``window`` cache slots (static; default all): every active row's
+    length + ``max_new_tokens`` must fit, or the row stops with ``CACHE_FULL`` at the window's end.
     """
     B = state.lengths.shape[0]
-    max_len = state.cache.max_len
+    max_len = min(window or state.cache.max_len, state.cache.max_len)
     room = state.lengths < max_len
     reason = jnp.where(active & ~room, CACHE_FULL, INACTIVE).astype(jnp.int32)
     active = active & room
@@ -119,7 +123,7 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
         keys = jax.vmap(jax.random.fold_in)(row_keys, state.lengths)
         token, logp = sample_tokens(logits, keys, temperature, top_p)
         token = jnp.where(active, token, 0)
-        state = extend(cfg, params, state, token[:, None], active.astype(jnp.int32))
+        state = extend(cfg, params, state, token[:, None], active.astype(jnp.int32), max_len)
         out_tokens = out_tokens.at[:, i].set(token)
         out_logp = out_logp.at[:, i].set(jnp.where(active, logp, 0.0))
         num_tokens = num_tokens + active
@@ -153,8 +157,8 @@ def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     if mesh is not None:
         state_sharding = SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1),
                                       batch_sharding(mesh, 2))
-    return (jax.jit(functools.partial(extend, cfg), donate_argnums=(1,)),
-            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens",), donate_argnums=(1,)),
+    return (jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
+            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
             jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding))
 
 
@@ -175,6 +179,14 @@ class Sampler:
     def __post_init__(self):
         self._extend, self._decode, self._init = _compiled(self.cfg, self.mesh)
 
+    def window(self, state: SamplerState, rows, new_tokens: int) -> int:
+        """The cache slots a call attends to: a power of two (>= 64) above the longest of ``rows``
+        plus ``new_tokens``, at most ``max_len``. A handful of values, so a handful of programs; the
+        per-token cost follows the tokens held, not the cache's capacity."""
+        lengths = np.asarray(jax.device_get(state.lengths))[np.asarray(rows, bool)]
+        longest = int(lengths.max()) if lengths.size else 0
+        return min(self.max_len, bucket_length(longest + new_tokens, 64))
+
     def init(self) -> SamplerState:
         with activate(self.mesh):
             return self._init(self.slots, self.max_len)
@@ -189,8 +201,9 @@ class Sampler:
         for row, block in enumerate(blocks):
             tokens[row, :len(block)] = block
         num_new = np.array([len(b) for b in blocks], np.int32)
+        window = self.window(state, num_new > 0, width)
         with activate(self.mesh):
-            return self._extend(params, state, *place_batch((tokens, num_new), self.mesh))
+            return self._extend(params, state, *place_batch((tokens, num_new), self.mesh), window=window)
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
         """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
@@ -201,8 +214,10 @@ class Sampler:
             budget = np.full(self.slots, self.max_new_tokens, np.int32)
         rows = (row_keys, np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(stop_tokens, np.int32),
                 np.asarray(active, bool), np.asarray(budget, np.int32))
+        window = self.window(state, rows[4], self.max_new_tokens)
         with activate(self.mesh):
-            return self._decode(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens)
+            return self._decode(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens,
+                                window=window)
 
     def lower_decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget):
         """``decode`` lowered for these (abstract, placed) arguments, for ``scripts/plan_scale.py``."""
