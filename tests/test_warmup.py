@@ -150,6 +150,7 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     assert np.mean(losses[:4]) > 3.0 and np.mean(losses[-10:]) < 0.1
 
 
+@pytest.mark.slow
 def test_a_stopped_warmup_continues_exactly():
     import jax
 
