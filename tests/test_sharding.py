@@ -86,6 +86,7 @@ def _spec(sharding):
     return tuple(spec)
 
 
+@pytest.mark.slow
 def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     chat, cfg, params = setup
     mesh = make_mesh((2, 2, 2))
@@ -166,6 +167,7 @@ def _update_flops_per_device(cfg, params, mesh) -> float:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
+@pytest.mark.slow
 def test_the_update_splits_its_work_over_the_devices(setup, shape=(8, 1, 1)):
     """The logical-axis constraints reach the compiler: each of 8 data-parallel devices does about
     1/8 of the single-device FLOPs (with them silently inactive, the activations were replicated and every

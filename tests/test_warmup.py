@@ -129,6 +129,7 @@ def test_demonstration_masks_exactly_the_teacher_turns():
     assert runs[1] == "<answer></answer><|im_end|>"
 
 
+@pytest.mark.slow
 def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     import jax
 
