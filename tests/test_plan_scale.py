@@ -1,0 +1,48 @@
+"""scripts/plan_scale.py: compiler-measured memory and FLOPs of the update and decode steps."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHAPE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
+         "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False, "max_position_embeddings": 4096}
+
+
+def _plan(tmp_path, *extra):
+    model = tmp_path / "shape.json"
+    model.write_text(json.dumps(SHAPE))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "scripts/plan_scale.py", "--model", str(model), "--json", *extra], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_plan_reports_per_device_memory_and_flops(tmp_path):
+    one = _plan(tmp_path, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "256")
+    eight = _plan(tmp_path, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "256")
+    n = one["params"]
+    assert n == 512 * 256 * 2 + 4 * (256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 3 * 256 * 768 + 2 * 256 + 2 * 64) + 256
+    for plan in (one, eight):
+        for step in ("update", "decode"):
+            f = plan[step]
+            assert f["peak_bytes"] == f["argument_bytes"] + f["output_bytes"] - f["alias_bytes"] + f["temp_bytes"]
+    # FLOPs per step, counted through the layer loop: at least the 8 N per token of forward + backward
+    tokens = 8 * 256
+    assert one["update"]["flops"] >= 8 * n * tokens
+    # sharded 8 ways: each device holds 1/8 of the parameters and optimizer state, and does about 1/8 of the FLOPs
+    assert eight["update"]["argument_bytes"] < one["update"]["argument_bytes"] / 6
+    assert 0.1 < eight["update"]["flops"] / one["update"]["flops"] < 0.16
+
+
+def test_plan_rejects_a_mesh_that_does_not_match_the_devices(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/plan_scale.py", "--model", "qwen3-0.6b", "--devices", "8", "--mesh", "2,2,1",
+                             "--batch", "8", "--seq", "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--mesh 2,2,1 has 4 devices, --devices is 8" in result.stderr
