@@ -15,6 +15,7 @@ import collections
 import json
 import math
 import pathlib
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -83,6 +84,35 @@ def peak_device_memory_gib() -> Optional[float]:
     peaks = [stats["peak_bytes_in_use"] for stats in (d.memory_stats() for d in jax.local_devices())
              if stats and "peak_bytes_in_use" in stats]
     return max(peaks) / 2**30 if peaks else None
+
+
+class CompileCounter:
+    """XLA compilations in this process (every jitted program, eager ops' too), counted from JAX's
+    ``/jax/core/compile/backend_compile_duration`` events; ``since(mark)`` gives the programs and
+    seconds after a ``mark()``. One listener per process, registered on first use."""
+
+    _lock = threading.Lock()
+    _programs, _seconds, _registered = 0, 0.0, False
+
+    @classmethod
+    def _on_event(cls, name: str, seconds: float, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            with cls._lock:
+                cls._programs += 1
+                cls._seconds += seconds
+
+    @classmethod
+    def mark(cls) -> tuple[int, float]:
+        with cls._lock:
+            if not cls._registered:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._registered = True
+            return cls._programs, cls._seconds
+
+    @classmethod
+    def since(cls, mark: tuple[int, float]) -> dict:
+        programs, seconds = cls.mark()
+        return {"compile/programs": programs - mark[0], "compile/seconds": seconds - mark[1]}
 
 
 def rollout_metrics(trajectories: Sequence) -> dict:

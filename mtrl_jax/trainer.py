@@ -105,19 +105,21 @@ class Trainer:
         base = jax.random.fold_in(jax.random.PRNGKey(self.c.run.seed + 1), step)
         return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
 
-    def collect(self, step: int) -> tuple[list, float]:
-        """This process's share of RL step ``step``'s groups (all of them with one process); may run on
+    def collect(self, step: int) -> tuple[list, dict]:
+        """This process's share of RL step ``step``'s groups (all of them with one process) and where
+        the time went (``collect_s`` in all; the collector's extend, decode and tool waits); may run on
         the rollout thread, so it talks to no other process (``gather`` does, on the main thread)."""
         start = time.perf_counter()
         G = self.c.run.group_size
         trajectories = self.collector.run(distributed.share(self.requests(step), G))
-        return [trajectories[i:i + G] for i in range(0, len(trajectories), G)], time.perf_counter() - start
+        timings = {**self.collector.timings, "collect_s": time.perf_counter() - start}
+        return [trajectories[i:i + G] for i in range(0, len(trajectories), G)], timings
 
     @staticmethod
-    def gather(groups: list, collect_s: float) -> tuple[list, float]:
-        """Every process's groups of the step, in request order, and the slowest process's collection time."""
-        everything = distributed.exchange([(groups, collect_s)])
-        return [g for part, _ in everything for g in part], max(s for _, s in everything)
+    def gather(groups: list, timings: dict) -> tuple[list, dict]:
+        """Every process's groups of the step, in request order, and the slowest process's timings."""
+        everything = distributed.exchange([(groups, timings)])
+        return [g for part, _ in everything for g in part], {k: max(t[k] for _, t in everything) for k in timings}
 
     def evaluate(self, label: str) -> dict:
         start = time.perf_counter()
@@ -133,10 +135,11 @@ class Trainer:
         self.record.dropped_groups += len(stale)
         self.record.max_staleness_seen = max([self.record.max_staleness_seen] + lag)
         trajectories = [t for g in fresh for t in g]
+        start = time.perf_counter()
         if self.c.run.log_trajectories and distributed.is_primary():
             M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajectories, step + 1)
         metrics = {**M.rollout_metrics(trajectories), "staleness/dropped_groups": len(stale),
-                   "staleness/mean": sum(lag) / len(lag) if lag else 0.0}
+                   "staleness/mean": sum(lag) / len(lag) if lag else 0.0, "time/logging_s": time.perf_counter() - start}
         kept, left_out = trainable_groups(fresh, self.c.updater.config.rows_per_micro_batch_divisor)
         metrics["batch/left_out_groups"] = len(left_out)
         if not kept:
@@ -146,8 +149,10 @@ class Trainer:
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
+        metrics["time/update_s"] = time.perf_counter() - start  # old / reference log-probs, loss, backward, optimizer
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
-        metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / (time.perf_counter() - start)
+        metrics["batch/real_token_fraction"] = float(batch.attention_mask.mean())
+        metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / metrics["time/update_s"]
         self.nonfinite.observe(step + 1, int(update_metrics["skipped_steps"]), self.workdir / "checkpoints" / str(self.record.rl_step))
         return metrics
 
@@ -210,35 +215,45 @@ class Trainer:
             if run.asynchronous and first < run.total_steps:
                 rollouts = AsyncRollouts(self.collect, first, run.max_staleness, first)
             progress = _progress(run.log_progress and distributed.is_primary(), first, run.total_steps)
+            checkpoint_s = 0.0
             for step in range(first, run.total_steps):
                 t0 = time.perf_counter()
+                compiles = M.CompileCounter.mark()
                 if rollouts is not None:
-                    got_step, (groups, collect_s) = rollouts.get()
+                    got_step, (groups, timings) = rollouts.get()
                     assert got_step == step, (got_step, step)
                 else:
-                    groups, collect_s = self.collect(step)
-                groups, collect_s = self.gather(groups, collect_s)
+                    groups, timings = self.collect(step)
+                groups, timings = self.gather(groups, timings)
                 wait_s = time.perf_counter() - t0
                 metrics = self.train_on(step, groups)
+                metrics.update({f"time/{k}": v for k, v in timings.items()})
                 self.record.rl_step = step + 1
                 self.record.cursor = self.c.schedule.advance(self.start[1], step + 1 - first)
                 self.publish(self.state.params, step + 1)
                 if rollouts is not None:
                     rollouts.publish(step + 1)
                 metrics["time/collect_wait_s"] = wait_s
-                metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / max(collect_s, 1e-9)
-                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / max(timings["collect_s"], 1e-9)
                 if (peak := M.peak_device_memory_gib()) is not None:
                     metrics["memory/peak_device_gib"] = peak
                 if run.eval_every and (step + 1) % run.eval_every == 0 and step + 1 < run.total_steps:
                     metrics.update(M.flatten(self.evaluate(f"step_{step + 1:06d}"), "eval"))
+                metrics.update(M.CompileCounter.since(compiles))  # this step's new programs (both threads)
+                metrics["time/previous_checkpoint_s"] = checkpoint_s  # written after the metrics: see below
+                metrics["time/step_s"] = time.perf_counter() - t0
                 if metrics_log is not None:
                     metrics_log.write(step + 1, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ndcg=f"{metrics['reward/ndcg@10']:.3f}")
                 self.stop_requested = distributed.any_process(self.stop_requested)  # all processes stop at the same step
+                checkpoint_s = 0.0
+                # after the step's metrics line: a run killed in between redoes the step, and a resume cuts
+                # the log back to the checkpoint, so no step is logged twice or lost
                 if (step + 1) % run.checkpoint_every == 0 or step + 1 == run.total_steps or self.stop_requested:
+                    t1 = time.perf_counter()
                     self.save()
+                    checkpoint_s = time.perf_counter() - t1
                 if self.stop_requested:
                     log.warning("SIGTERM: checkpoint written at RL step %d, exiting", step + 1)
                     raise SystemExit(143)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -82,13 +83,19 @@ class Collector:
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
+        self.timings: dict[str, float] = {}  # seconds of the last run(): extend, decode (device calls), tool waits
 
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
     def _submit(self, fn, *args):
-        return self.pool.submit(fn, *args) if self.pool is not None else _Inline(fn, *args)
+        if self.pool is not None:
+            return self.pool.submit(fn, *args)
+        start = time.perf_counter()  # inline tools: generation waits for them
+        done = _Inline(fn, *args)
+        self.timings["tool_wait_s"] = self.timings.get("tool_wait_s", 0.0) + time.perf_counter() - start
+        return done
 
     def run(self, requests: Sequence[EpisodeRequest]) -> list[Trajectory]:
         """Run every episode to the end; returns trajectories in request order."""
@@ -97,6 +104,7 @@ class Collector:
         slots: list[Optional[_Slot]] = [None] * cfg.slots
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
+        timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0}
         state = self.sampler.init()
 
         def release_if_done(i: int):
@@ -128,7 +136,9 @@ class Collector:
                 if any(fresh):
                     state = self.sampler.reset_rows(state, fresh)
                 blocks = [s.block if s is not None and s.phase == "extend" else [] for s in slots]
-                state = self.sampler.extend(params, state, blocks)
+                start = time.perf_counter()
+                state = jax.block_until_ready(self.sampler.extend(params, state, blocks))
+                timings["extend_s"] += time.perf_counter() - start
                 for s in slots:
                     if s is not None and s.phase == "extend":
                         s.phase, s.block, s.fresh = "decode", [], False
@@ -138,10 +148,11 @@ class Collector:
                 params, version = self.params_source()
                 keys = [s.request.key if s is not None else jax.random.PRNGKey(0) for s in slots]
                 budget = [cfg.max_tokens_per_turn - len(s.run.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
+                start = time.perf_counter()
                 state, out = self.sampler.decode(params, state, jax.numpy.stack(keys), [cfg.temperature] * cfg.slots,
                                                  [cfg.top_p] * cfg.slots, self.stop_tokens, decoding, budget)
-                tokens, logp = np.asarray(out.tokens), np.asarray(out.logp)
-                num, reason = np.asarray(out.num_tokens), np.asarray(out.stop_reason)
+                tokens, logp, num, reason = jax.device_get((out.tokens, out.logp, out.num_tokens, out.stop_reason))
+                timings["decode_s"] += time.perf_counter() - start
                 for i, slot in enumerate(slots):
                     if not decoding[i]:
                         continue
@@ -158,5 +169,7 @@ class Collector:
             elif any(s is not None and s.phase == "tool" for s in slots):
                 futures = [s.future for s in slots if s is not None and s.phase == "tool"]
                 if not any(f.done() for f in futures):
+                    start = time.perf_counter()
                     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+                    timings["tool_wait_s"] += time.perf_counter() - start
         return [results[i] for i in range(len(requests))]
