@@ -94,7 +94,7 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo")), optax.adam(1e-2), mesh)
     state = updater.init_state(params, jax.random.PRNGKey(1))
     rng = np.random.default_rng(0)
-    from mtrl_jax.model.sharding import activate, place_batch
+    from mtrl_jax.model.sharding import place_batch
     from mtrl_jax.rl.batch import TrajectoryBatch
 
     tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
