@@ -3,7 +3,7 @@ model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing a
 
     python scripts/plan_scale.py --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
     python scripts/plan_scale.py --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
-    python scripts/plan_scale.py --table    # the README's table: every model on 8 GPUs and on a v5p-64 slice
+    python scripts/plan_scale.py --table    # the README's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
