@@ -98,6 +98,12 @@ def activate(mesh: Optional[Mesh]) -> Iterator[None]:
 _set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
 
 
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """Inside jitted code: ``x [B, ...]`` with its rows over ``data`` x ``fsdp`` (the ``act_batch``
+    rule), the rest replicated; a no-op unless ``activate(mesh)`` is in effect."""
+    return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
+
+
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     """The KV cache ``[L, B, S, K, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES))

@@ -16,14 +16,13 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, on_mesh, place_batch
+from mtrl_jax.model.sharding import activate, constrain_rows, on_mesh, place_batch
 from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
@@ -84,11 +83,6 @@ def make_optimizer(learning_rate: float, total_steps: int, schedule: str = "cons
 
 def init_state(tx: optax.GradientTransformation, params, rng) -> TrainState:
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), rng)
-
-
-def split_rows(x: jax.Array) -> jax.Array:
-    """``x [B, ...]`` constrained to its rows over ``data`` x ``fsdp`` (a no-op without a mesh)."""
-    return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
 
 
 def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_batches: int) -> jax.Array:
@@ -153,7 +147,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
 
         def accumulate(grads, micro_batch):
             # the gathered rows (a permutation) come out of the gather unsharded: split them over the batch axes
-            micro_batch = jax.tree.map(split_rows, micro_batch)
+            micro_batch = jax.tree.map(constrain_rows, micro_batch)
             (_, metrics), g = grad_fn(params, micro_batch, norms)
             return jax.tree.map(jnp.add, grads, g), metrics
 

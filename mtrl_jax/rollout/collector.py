@@ -94,7 +94,7 @@ class Collector:
             return self.pool.submit(fn, *args)
         start = time.perf_counter()  # inline tools: generation waits for them
         done = _Inline(fn, *args)
-        self.timings["tool_wait_s"] = self.timings.get("tool_wait_s", 0.0) + time.perf_counter() - start
+        self.timings["tool_wait_s"] += time.perf_counter() - start
         return done
 
     def run(self, requests: Sequence[EpisodeRequest]) -> list[Trajectory]:
