@@ -31,6 +31,13 @@ def get_config():
     c.model.param_dtype = "float32"  # parameters (as in Flax)
     c.model.dtype = "float32"  # computation: activations and matmuls (as in Flax)
     c.model.remat = False
+    # training attention: "" = causal einsums in query chunks of attention_chunk positions (fastest on
+    # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
+    c.model.attention_impl = ""
+    c.model.attention_chunk = 64
+    # layers per iteration of the layer loop; 0 = all (no loop: on CPU the backward pass of a loop
+    # over layers moves every layer's saved activations in and out of a stacked buffer, ~25% slower)
+    c.model.scan_unroll = 0
     c.model.mesh_shape = (1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
     c.model.assistant_prefix = ""  # e.g. "<think>\n\n</think>\n\n" for Qwen3 without thinking
 
@@ -84,9 +91,9 @@ def get_config():
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1
     c.rl.mini_batches = 2
-    c.rl.micro_batches = 1
-    c.rl.length_bucket = 128
-    c.rl.logprob_chunk = 512
+    c.rl.micro_batches = 8  # of 4 rows each, sorted by length: each is computed at its own length
+    c.rl.length_bucket = 32  # a micro-batch's length is its longest row rounded up to this
+    c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
 
     c.optim = config_dict.ConfigDict()

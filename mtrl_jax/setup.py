@@ -23,6 +23,7 @@ from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
 from mtrl_jax.model.sharding import make_mesh
+from mtrl_jax.rl.batch import bucket
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
@@ -48,7 +49,7 @@ class RunSettings:
     total_steps: int  # RL steps of the run
     asynchronous: bool
     max_staleness: int
-    length_bucket: int
+    batch_length: int  # T of every update batch: rollout.max_len rounded up to rl.length_bucket (one program)
     checkpoint_every: int
     checkpoint_keep: int
     eval_every: int
@@ -181,7 +182,10 @@ def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collecti
 
 def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
     m = config.model
-    runtime = dict(remat=m.remat)
+    if m.scan_unroll < 0:
+        raise ValueError(f"model.scan_unroll must be >= 0 (0: every layer unrolled), got {m.scan_unroll}")
+    runtime = dict(remat=m.remat, attention_impl=m.attention_impl or None, attention_chunk=m.attention_chunk,
+                   scan_unroll=m.scan_unroll)
     if m.checkpoint:
         model, params = load_hf_checkpoint(m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, **runtime)
         if model.config.vocab_size < vocab_size:
@@ -207,7 +211,8 @@ def update_config(config) -> UpdateConfig:
         advantage_options=tuple(sorted(parse_options(rl.advantage_options, "rl.advantage_options").items())),
         # the sampler's convention: temperature <= 0 is greedy, and its behaviour log-probs are at temperature 1
         temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0, old_logp=rl.old_logp, update_epochs=rl.update_epochs,
-        mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk)
+        mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
+        length_bucket=rl.length_bucket)
 
 
 def collector_config(config) -> CollectorConfig:
@@ -245,7 +250,7 @@ def _run_settings(config, rows_divisor: int) -> RunSettings:
     return RunSettings(
         seed=config.seed, global_batch_size=config.global_batch_size, group_size=config.rollout.group_size, total_steps=0,
         asynchronous=config.rollout.asynchronous, max_staleness=config.rollout.max_staleness,
-        length_bucket=config.rl.length_bucket, checkpoint_every=config.checkpoint.every_steps,
+        batch_length=bucket(config.rollout.max_len, config.rl.length_bucket), checkpoint_every=config.checkpoint.every_steps,
         checkpoint_keep=config.checkpoint.keep, eval_every=config.eval.every_steps,
         eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress,
         max_nonfinite_steps=config.rl.max_nonfinite_steps)

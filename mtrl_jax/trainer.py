@@ -145,7 +145,8 @@ class Trainer:
         if not kept:
             log.warning("RL step %d: no trainable groups (%d stale, %d left out)", step + 1, len(stale), len(left_out))
             return metrics
-        batch = make_batch([t for g in kept for t in g], self.c.run.group_size, self.c.run.length_bucket, self.c.chat.pad_id)
+        batch = make_batch([t for g in kept for t in g], self.c.run.group_size, pad_id=self.c.chat.pad_id,
+                           length=self.c.run.batch_length)
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics

@@ -10,7 +10,7 @@ from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
-from mtrl_jax.rl.train_step import UpdateConfig, Updater, minibatch_order
+from mtrl_jax.rl.train_step import UpdateConfig, Updater, length_buckets, minibatch_order, score, switch_on_length
 
 CFG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=8, tie_word_embeddings=True)
@@ -28,6 +28,35 @@ def test_minibatch_order_is_a_fresh_permutation_per_epoch():
     np.testing.assert_array_equal(minibatch_order(key, 6, 2, 1), [[0, 1, 2, 3, 4, 5]] * 2)  # one mini-batch: in order
     with pytest.raises(ValueError, match="does not split into 4 mini-batches"):
         minibatch_order(key, 10, 1, 4)
+
+
+def test_length_buckets_cover_the_batch_length_with_few_programs():
+    assert length_buckets(512, 32) == tuple(range(32, 513, 32))
+    assert length_buckets(100, 32) == (32, 64, 96, 100)
+    assert length_buckets(100, 128) == (100,)
+    wide = length_buckets(8192, 32)  # 256 multiples: spread geometrically instead
+    assert len(wide) <= 16 and wide[0] == 32 and wide[-1] == 8192 and all(b % 32 == 0 for b in wide)
+    assert list(wide) == sorted(set(wide))
+
+
+def test_switch_on_length_takes_the_smallest_bucket_that_holds_every_row():
+    mask = np.zeros((3, 10), np.int32)
+    for lengths, expected in (((2, 3, 1), 4), ((2, 7, 1), 8), ((9, 3, 1), 10), ((0, 0, 0), 4)):
+        for row, n in enumerate(lengths):
+            mask[row] = np.arange(10) < n
+        assert int(switch_on_length((4, 8, 10), jnp.asarray(mask), lambda length, x: x + length, jnp.int32(0))) == expected
+
+
+def test_scoring_sorts_by_length_and_returns_every_row_in_place():
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    other = init_params(CFG, jax.random.PRNGKey(2))
+    batch = _batch([0.0] * 8, T=12, seed=3)
+    logprobs = lambda p, t, a: sequence_logprobs(CFG, p, t, a, chunk_size=7)  # noqa: E731
+    got = jax.jit(lambda p, q: score(logprobs, [p, q], ["old", "ref"], batch.tokens, batch.attention_mask,
+                                     (4, 8, 12), 2))(params, other)
+    for name, p in (("old", params), ("ref", other)):
+        want = np.asarray(logprobs(p, batch.tokens, batch.attention_mask)[0]) * batch.attention_mask
+        np.testing.assert_allclose(np.asarray(got[name]), want, atol=2e-5)
 
 
 def _batch(rewards, T=10, seed=0):
@@ -52,7 +81,9 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order():
     batch = _batch(rewards)
     params = init_params(CFG, jax.random.PRNGKey(1))
     tx = optax.sgd(0.5)
-    cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo"), update_epochs=2, mini_batches=2, micro_batches=2, logprob_chunk=7)
+    # length_bucket 4: micro-batches are cut to 8 or 10 columns (their rows are 6..10 tokens long)
+    cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo"), update_epochs=2, mini_batches=2, micro_batches=2, logprob_chunk=7,
+                       length_bucket=4)
     updater = Updater(CFG, cfg, tx)
     state = updater.init_state(params, jax.random.PRNGKey(9))
     new_state, metrics = updater.update(state, batch)

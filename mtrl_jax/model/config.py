@@ -46,8 +46,13 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
-    scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: no loop, e.g. for XLA's FLOP count)
-    attention_impl: Optional[str] = None  # None (XLA) or "cudnn" for jax.nn.dot_product_attention
+    scan_unroll: int = 1  # layers per iteration of the layer scan; 0 or num_layers: no loop (XLA's FLOP count; CPU)
+    # Training / scoring attention (no KV cache). None: causal attention in query chunks of
+    # ``attention_chunk`` positions, each attending only to the keys at or before its end (half the
+    # score matrix is never computed; plain einsums, grouped-query heads never repeated). "xla" or
+    # "cudnn": ``jax.nn.dot_product_attention`` with that implementation (cuDNN's fused kernel on GPU).
+    attention_impl: Optional[str] = None
+    attention_chunk: int = 64
     # The original HF config.json (as JSON text), kept so an export round-trips extra fields.
     hf_config_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -58,6 +63,10 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
         dtype_from_name(self.dtype)
         dtype_from_name(self.param_dtype)
+        if self.attention_impl not in (None, "xla", "cudnn"):
+            raise ValueError(f"attention_impl must be None (chunked causal einsums), 'xla' or 'cudnn', got {self.attention_impl!r}")
+        if self.attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
 
     @property
     def compute_dtype(self):

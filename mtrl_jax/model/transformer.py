@@ -86,6 +86,37 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return x * cos + rotated * sin
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+def causal_mask(key_valid: Array) -> Array:
+    """``[B, 1, T, T]``: query ``t`` sees key ``s <= t`` where ``key_valid [B, T]``."""
+    T = key_valid.shape[1]
+    steps = jnp.arange(T)
+    return ((steps[:, None] >= steps[None, :])[None] & key_valid[:, None, :])[:, None]
+
+
+def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int) -> Array:
+    """Causal softmax attention, ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` -> ``[B, T, N, H]``.
+
+    The queries go in chunks of ``chunk`` positions; a chunk ending at ``e`` scores only keys
+    ``0..e-1``, so about half of the ``T x T`` score matrix is never computed. Each group of
+    ``N / K`` query heads shares its KV head without a copy. Scores and softmax are float32. A
+    query with no visible key (a row of padding) gets a uniform average instead of NaN."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q = (q * (H ** -0.5)).reshape(B, T, K, N // K, H)
+    outs = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q[:, start:end], k[:, :end], preferred_element_type=jnp.float32)
+        visible = (jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :])[None] & key_valid[:, None, :end]
+        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, v[:, :end]))
+    return jnp.concatenate(outs, axis=1).reshape(B, T, N, H)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -110,10 +141,11 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv, layer, write_index):
-        """``x [B, T, D]``; ``mask [B, 1, T, W]``; ``cache_kv`` None or the whole cache ``(k, v)
-        [L, B, S, K, H]``, of which this is layer ``layer``, attending to its first ``W`` slots;
-        ``write_index [B, T]`` cache index of each new token (out of range = not written)."""
+    def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index):
+        """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, B, S, K, H]``, of which this
+        is layer ``layer``, attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
+        ``write_index [B, T]`` the cache index of each new token (out of range = not written).
+        Without, causal attention over the block, to the keys where ``key_valid [B, T]``."""
         cfg = self.config
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = cfg.compute_dtype
@@ -146,7 +178,12 @@ class Attention(nn.Module):
             k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]
             v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
             cache_kv = (cache_k, cache_v)
-        out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask, implementation=cfg.attention_impl)
+        if cache_kv is None and cfg.attention_impl is None:
+            out = causal_attention(q, k, v, key_valid, cfg.attention_chunk)
+        else:
+            mask = mask if mask is not None else causal_mask(key_valid)
+            out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask,
+                                               implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl)
         out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dtype))
         return out, cache_kv
 
@@ -170,11 +207,11 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions, mask, write_index):
+    def __call__(self, carry, layer, positions, mask, key_valid, write_index):
         """``carry = (x, cache)``: the hidden states and the whole cache (or None), layer ``layer``'s turn."""
         x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="input_norm")(x), positions, mask, cache_kv, layer, write_index)
+            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -218,13 +255,13 @@ class Transformer(nn.Module):
         steps = jnp.arange(T)
         if cache is None:
             positions = jnp.broadcast_to(steps, (B, T))
-            mask = (steps[None, :, None] >= steps[None, None, :]) & attention_mask[:, None, :]  # [B, T, T]
+            mask = None  # causal over the block, built by the attention (in chunks, by default)
             write_index = positions
             layer_cache = None
         else:
             positions = offsets[:, None] + steps[None, :]
             key_index = jnp.arange(min(window or cache.max_len, cache.max_len))
-            mask = key_index[None, None, :] <= positions[:, :, None]  # [B, T, W]
+            mask = (key_index[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, W]
             write_index = jnp.where(attention_mask, positions, cache.max_len)  # out of range: dropped
             layer_cache = (cache.k, cache.v)
 
@@ -235,13 +272,13 @@ class Transformer(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
             length=cfg.num_layers,
-            unroll=cfg.scan_unroll,
+            unroll=cfg.scan_unroll or cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask[:, None],
-                                                      write_index)
+        (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
+                                                      attention_mask, write_index)
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import flax.struct
 import numpy as np
@@ -37,12 +37,18 @@ def pad_rows(sequences: Sequence[Sequence], length: int, dtype, fill=0) -> np.nd
     return out
 
 
-def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128, pad_id: int = 0) -> TrajectoryBatch:
-    """Pad ``trajectories`` (P x G, groups contiguous) to ``T`` = the longest, rounded up to a
-    multiple of ``length_bucket`` so the train step compiles a few shapes, not one per batch."""
+def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128, pad_id: int = 0,
+               length: Optional[int] = None) -> TrajectoryBatch:
+    """Pad ``trajectories`` (P x G, groups contiguous) to ``T = length``, or, without one, to the
+    longest rounded up to a multiple of ``length_bucket``. The trainer passes the context length
+    (rounded), so every update has the same shape and compiles once; the update computes each
+    micro-batch at its own length (``train_step.switch_on_length``), so the padding costs nothing."""
     if not trajectories or len(trajectories) % group_size:
         raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
-    T = bucket(max(len(t.tokens) for t in trajectories), length_bucket)
+    longest = max(len(t.tokens) for t in trajectories)
+    T = bucket(longest, length_bucket) if length is None else length
+    if longest > T:
+        raise ValueError(f"a trajectory of {longest} tokens does not fit the batch length {T}")
     return TrajectoryBatch(
         tokens=pad_rows([t.tokens for t in trajectories], T, np.int32, pad_id),
         attention_mask=pad_rows([[1] * len(t.tokens) for t in trajectories], T, np.int32),

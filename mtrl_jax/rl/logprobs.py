@@ -46,6 +46,9 @@ def token_logprobs_dense(hidden, head, targets, temperature=1.0):
 
 def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512):
     """Chunked, rematerialised version of ``token_logprobs_dense`` (same values and gradients).
+    With ``chunk_size >= B * T`` it is the dense path itself: the ``[B, T, V]`` float32 logits are
+    held for the backward pass instead of recomputed (a third less work in the output projection,
+    for the memory; fine on a CPU-sized model).
 
     A chunk is every row's next ``max(1, chunk_size // B)`` positions (about ``chunk_size`` tokens):
     the scan runs over time, so each chunk keeps the batch axis, and its sharding over the mesh's
@@ -56,6 +59,8 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     chex.assert_rank(head, 2)
     width = max(1, min(T, chunk_size // B))
     n_chunks = -(-T // width)
+    if n_chunks == 1:  # one chunk holds every token: no scan, and no recompute in the backward pass
+        return token_logprobs_dense(hidden, head, targets, temperature)
     pad = n_chunks * width - T
 
     def chunked(x, fill=0):  # [B, T, ...] -> [n_chunks, B, width, ...]

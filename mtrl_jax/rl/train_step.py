@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -47,6 +49,7 @@ class UpdateConfig:
     mini_batches: int = 1
     micro_batches: int = 1
     logprob_chunk: int = 512
+    length_bucket: int = 128  # a micro-batch is computed at its longest row rounded up to this (see length_buckets)
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -55,7 +58,7 @@ class UpdateConfig:
         advantages_lib.ESTIMATORS.check_options(self.advantage, dict(self.advantage_options), "rl.advantage_options")
         if self.old_logp not in ("recompute", "behaviour"):
             raise ValueError(f"rl.old_logp must be 'recompute' or 'behaviour', got {self.old_logp!r}")
-        for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk"):
+        for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk", "length_bucket"):
             if getattr(self, field) < 1:
                 raise ValueError(f"rl.{field} must be >= 1, got {getattr(self, field)}")
         if not self.temperature > 0:
@@ -98,8 +101,62 @@ def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_ba
     return order.reshape(update_epochs * mini_batches, batch_size // mini_batches).astype(jnp.int32)
 
 
+MAX_LENGTH_BRANCHES = 16
+
+
+def length_buckets(T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES) -> tuple[int, ...]:
+    """The static lengths a micro-batch of a ``[., T]`` batch can be cut to: multiples of
+    ``granularity`` up to ``T`` (the last is ``T``), or, when there would be more than
+    ``max_branches``, ``max_branches`` of them spread geometrically from ``granularity`` to ``T``."""
+    n = -(-T // granularity)
+    if n <= max_branches:
+        return tuple(min(T, granularity * (i + 1)) for i in range(n))
+    steps = np.geomspace(1, n, max_branches)
+    return tuple(sorted({min(T, granularity * int(math.ceil(x - 1e-9))) for x in steps} | {T}))
+
+
+def switch_on_length(buckets: tuple[int, ...], attention_mask: jax.Array, fn, *args):
+    """``fn(length, *args)`` for the smallest of ``buckets`` that holds every row of ``attention_mask
+    [rows, T]``: one program with a branch per length (``lax.switch``), of which only the one taken
+    runs, so a micro-batch of short rows costs what its rows hold, not the batch's longest row."""
+    longest = attention_mask.astype(jnp.int32).sum(axis=1).max()
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), longest), len(buckets) - 1)
+    return jax.lax.switch(index, [functools.partial(fn, length) for length in buckets], *args)
+
+
+def by_length(attention_mask: jax.Array, rows: jax.Array, group: int) -> jax.Array:
+    """``rows`` sorted by length, longest first, as ``[len(rows) // group, group]`` groups: the
+    micro-batches of a mini-batch (the order within a mini-batch does not change its gradient)."""
+    lengths = attention_mask[rows].astype(jnp.int32).sum(axis=1)
+    return rows[jnp.argsort(-lengths, stable=True)].reshape(-1, group)
+
+
 def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
     return values.max() if name.endswith(("_max", "_max_dev")) else values.mean()
+
+
+def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, attention_mask: jax.Array,
+          buckets: tuple[int, ...], group: int) -> dict:
+    """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch: the rows are
+    sorted by length into groups of ``group``, and each group is computed at its own length
+    (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
+    Positions past a row's length get 0, as ``sequence_logprobs`` gives padding nothing."""
+    B, T = tokens.shape
+    tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
+    groups = by_length(attention_mask, jnp.arange(B), group)
+
+    def group_logprobs(length, tok, att):
+        return tuple(jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
+                     for p in param_sets)
+
+    def body(_, rows):
+        tok, att = constrain_rows(tokens[rows]), constrain_rows(attention_mask[rows])
+        return None, switch_on_length(buckets, att, group_logprobs, tok, att)
+
+    _, per_group = jax.lax.scan(body, None, groups)
+    rows = groups.reshape(-1)
+    return {name: jnp.zeros((B, T), jnp.float32).at[rows].set(x.reshape(B, T) * (attention_mask[rows] > 0))
+            for name, x in zip(names, per_group)}
 
 
 def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTransformation, state: TrainState,
@@ -112,19 +169,25 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         raise ValueError(f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
                          f"x {cfg.micro_batches} micro-batches")
     obj = cfg.objective
+    T = batch.tokens.shape[1]
+    buckets = length_buckets(T, cfg.length_bucket)
+    rows_per_micro = B // cfg.rows_per_micro_batch_divisor
     logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk)
     loss_mask = batch.loss_mask.astype(jnp.float32)
     adv = advantages_lib.compute(cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options))
+    scored = []  # parameter sets whose log-probs the update needs before its first step
     if cfg.old_logp == "recompute":
-        old_logp = jax.lax.stop_gradient(logprobs(state.params, batch.tokens, batch.attention_mask)[0])
-    else:
-        old_logp = batch.behav_logp
-    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
-            "behav_logp": batch.behav_logp, "old_logp": old_logp, "adv": adv}
+        scored.append(("old_logp", state.params))
     if obj.kl_coef:
         if ref_params is None:
             raise ValueError("rl.kl_coef > 0 needs the reference parameters")
-        data["ref_logp"] = jax.lax.stop_gradient(logprobs(ref_params, batch.tokens, batch.attention_mask)[0])
+        scored.append(("ref_logp", ref_params))
+    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
+            "behav_logp": batch.behav_logp, "old_logp": batch.behav_logp, "adv": adv}
+    if scored:
+        data.update(score(logprobs, [p for _, p in scored], [n for n, _ in scored], batch.tokens, batch.attention_mask,
+                          buckets, rows_per_micro))
+    old_logp = data["old_logp"]
     rng, order_key = jax.random.split(state.rng)
     order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
 
@@ -138,20 +201,23 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
 
     def optimizer_step(carry, rows):
         params, opt_state, step, skipped = carry
-        mb = jax.tree.map(lambda x: x[rows], data)
-        mask = mb["loss_mask"]
+        mask = loss_mask[rows]
         norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
-        # micro-batch j takes rows j, j + m, j + 2m, ...: the scanned axis is the minor one, so every
-        # micro-batch keeps its rows spread over all the batch's devices
-        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, cfg.micro_batches, *x.shape[1:]), 0, 1), mb)
 
-        def accumulate(grads, micro_batch):
-            # the gathered rows (a permutation) come out of the gather unsharded: split them over the batch axes
-            micro_batch = jax.tree.map(constrain_rows, micro_batch)
-            (_, metrics), g = grad_fn(params, micro_batch, norms)
+        def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
+            cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
+            (_, metrics), g = grad_fn(params, cut, norms)
+            return g, metrics
+
+        def accumulate(grads, micro_rows):
+            # the gathered rows come out of the gather unsharded: split them over the batch axes
+            micro_batch = jax.tree.map(lambda x: constrain_rows(x[micro_rows]), data)
+            g, metrics = switch_on_length(buckets, micro_batch["attention_mask"], micro_grads, micro_batch)
             return jax.tree.map(jnp.add, grads, g), metrics
 
-        grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro)
+        # micro-batches of rows of similar length (longest first), each computed at its own length
+        micro_rows = by_length(batch.attention_mask, rows, rows_per_micro)
+        grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
         metrics = {k: _mean_or_max(k, v) for k, v in micro_metrics.items()}
         # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
         for key in ("loss", "pg_loss", "kl", "entropy"):
