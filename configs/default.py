@@ -34,10 +34,8 @@ def get_config():
     # training attention: "" = causal einsums in query chunks of attention_chunk positions (fastest on
     # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
     c.model.attention_impl = ""
-    c.model.attention_chunk = 64
-    # layers per iteration of the layer loop; 0 = all (no loop: on CPU the backward pass of a loop
-    # over layers moves every layer's saved activations in and out of a stacked buffer, ~25% slower)
-    c.model.scan_unroll = 0
+    c.model.attention_chunk = 128
+    c.model.scan_unroll = 1  # layers per iteration of the layer loop; 0 = all (no loop: longer compiles)
     c.model.mesh_shape = (1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
     c.model.assistant_prefix = ""  # e.g. "<think>\n\n</think>\n\n" for Qwen3 without thinking
 
@@ -92,7 +90,10 @@ def get_config():
     c.rl.update_epochs = 1
     c.rl.mini_batches = 2
     c.rl.micro_batches = 8  # of 4 rows each, sorted by length: each is computed at its own length
-    c.rl.length_bucket = 32  # a micro-batch's length is its longest row rounded up to this
+    # a micro-batch is computed at its longest row rounded up to length_bucket: one compiled branch per
+    # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
+    c.rl.length_bucket = 64
+    c.rl.score_length_bucket = 128  # the same for the old / reference log-prob pass (0: length_bucket)
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
 

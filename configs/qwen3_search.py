@@ -22,7 +22,6 @@ def get_config():
     c.model.param_dtype = "bfloat16"
     c.model.dtype = "bfloat16"
     c.model.remat = True
-    c.model.scan_unroll = 1  # a loop over the layers: compile time does not grow with depth
     c.model.mesh_shape = (1, -1, 1)  # FSDP over all local devices
     c.model.assistant_prefix = "<think>\n\n</think>\n\n"  # Qwen3 without thinking
     c.data.synthetic = False
@@ -39,7 +38,7 @@ def get_config():
     c.rollout.max_tokens_per_turn = 512
     c.rollout.decode_chunk = 128
     c.rollout.tool_workers = 16
-    c.rl.length_bucket = 512
+    c.rl.length_bucket = 2048  # 4 length branches up to rollout.max_len (each a compiled copy of the update)
     c.rl.mini_batches = 4
     c.rl.micro_batches = 4
     c.rl.kl_coef = 0.0  # no reference copy of the parameters; set e.g. 0.001 for a KL anchor

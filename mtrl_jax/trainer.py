@@ -152,7 +152,7 @@ class Trainer:
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
         metrics["time/update_s"] = time.perf_counter() - start  # old / reference log-probs, loss, backward, optimizer
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
-        metrics["batch/real_token_fraction"] = float(batch.attention_mask.mean())
+        metrics["batch/real_token_fraction"] = metrics["train/real_token_fraction"]  # of the tokens the update computed
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / metrics["time/update_s"]
         self.nonfinite.observe(step + 1, int(update_metrics["skipped_steps"]), self.workdir / "checkpoints" / str(self.record.rl_step))
         return metrics
@@ -228,7 +228,7 @@ class Trainer:
                 groups, timings = self.gather(groups, timings)
                 wait_s = time.perf_counter() - t0
                 metrics = self.train_on(step, groups)
-                metrics.update({f"time/{k}": v for k, v in timings.items()})
+                metrics.update({f"time/{k}" if k.endswith("_s") else f"rollout/{k}": v for k, v in timings.items()})
                 self.record.rl_step = step + 1
                 self.record.cursor = self.c.schedule.advance(self.start[1], step + 1 - first)
                 self.publish(self.state.params, step + 1)

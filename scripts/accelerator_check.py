@@ -91,12 +91,11 @@ def main(argv=None):
     config.rollout.max_tokens_per_turn = config.rollout.decode_chunk = args.max_tokens_per_turn
     config.rollout.max_len = 2048
     config.rollout.asynchronous = False  # sampling and training timed apart
-    config.rl.length_bucket = 256
+    config.rl.length_bucket = 512  # 4 length branches up to max_len 2048
     config.rl.kl_coef = 0.0
     config.rl.micro_batches = args.micro_batches
     config.model.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     config.model.dtype, config.model.remat = args.dtype, True
-    config.model.scan_unroll = 1  # a loop over the layers (the CPU default unrolls them)
     config.rl.logprob_chunk = 512  # chunked, recomputed log-probs: the accelerator's memory goes to the batch
     config.data.max_eval_tasks = 8
     config.checkpoint.every_steps = args.steps

@@ -30,7 +30,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = [("step_s", "time/step_s"), ("collect_wait", "time/collect_wait_s"), ("collect", "time/collect_s"),
            ("decode", "time/decode_s"), ("extend", "time/extend_s"), ("tool_wait", "time/tool_wait_s"),
            ("update", "time/update_s"), ("logging", "time/logging_s"), ("prev_ckpt", "time/previous_checkpoint_s"),
-           ("compiles", "compile/programs"), ("compile_s", "compile/seconds"), ("real_tok", "batch/real_token_fraction")]
+           ("compiles", "compile/programs"), ("compile_s", "compile/seconds"), ("real_tok", "batch/real_token_fraction"),
+           ("ext_useful", "rollout/extend_useful_fraction")]
 
 
 def run(repo: pathlib.Path, workdir: pathlib.Path, args) -> tuple[list[dict], float]:

@@ -138,13 +138,37 @@ def test_top_p_restricts_to_the_nucleus():
     np.testing.assert_allclose(logp, np.log(np.array([0.5, 0.3]))[np.asarray(tokens)], rtol=1e-5)  # full-vocab logp
 
 
+def test_extend_computes_only_the_rows_with_new_tokens(model_params):
+    model, params = model_params
+    cfg = model.config
+    smp = S.Sampler(cfg, slots=4, max_len=64, max_new_tokens=4)
+    start = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
+    copy = lambda st: jax.tree.map(jnp.copy, st)  # noqa: E731 - extend donates its state
+    blocks = [[], [6, 7, 8, 9, 10], [], []]
+    before = smp.tokens_computed
+    compact = smp.extend(params, copy(start), blocks)  # one busy row: a block of 1 row x 16
+    assert smp.tokens_computed - before == 16
+    tokens = np.zeros((4, 16), np.int32)
+    tokens[1, :5] = blocks[1]
+    everything = S.extend(cfg, params, copy(start), jnp.asarray(tokens), jnp.asarray([0, 5, 0, 0]), 64)
+    np.testing.assert_array_equal(compact.lengths, everything.lengths)
+    np.testing.assert_allclose(compact.last_hidden, everything.last_hidden, atol=1e-5)
+    np.testing.assert_allclose(compact.cache.k, everything.cache.k, atol=1e-5)
+    others = np.array([0, 2, 3])
+    np.testing.assert_array_equal(np.asarray(compact.last_hidden)[others], np.asarray(start.last_hidden)[others])  # untouched
+    # three busy rows round up to 4 = every slot: the whole batch, no gather
+    before = smp.tokens_computed
+    smp.extend(params, copy(start), [[1], [2, 3], [], [4]])
+    assert smp.tokens_computed - before == 4 * 16
+
+
 def test_bucketed_shapes_reuse_compiled_programs(model_params):
     model, params = model_params
     smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3)  # shapes no other test compiles
     compiled = lambda fn: fn._cache_size()  # noqa: E731 - programs in the jit cache (one per new shape)
     extend0, decode0 = compiled(smp._extend), compiled(smp._decode)
     state = smp.init()
-    for n in [3, 9, 16, 5, 12, 1]:  # all in the 16 bucket, rows within the first 64-slot window
+    for n in [3, 9, 16, 5, 12, 2]:  # all in the 16 bucket, two busy rows, within the first 64-slot window
         state = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
     assert compiled(smp._extend) - extend0 == 1
     for n in [17, 30]:  # one new block bucket (32), longest row past 64 slots: the 96-slot window

@@ -52,7 +52,7 @@ class ModelConfig:
     # score matrix is never computed; plain einsums, grouped-query heads never repeated). "xla" or
     # "cudnn": ``jax.nn.dot_product_attention`` with that implementation (cuDNN's fused kernel on GPU).
     attention_impl: Optional[str] = None
-    attention_chunk: int = 64
+    attention_chunk: int = 128
     # The original HF config.json (as JSON text), kept so an export round-trips extra fields.
     hf_config_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 

@@ -141,10 +141,11 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index):
-        """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, B, S, K, H]``, of which this
-        is layer ``layer``, attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
-        ``write_index [B, T]`` the cache index of each new token (out of range = not written).
+    def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index, cache_rows):
+        """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, slots, S, K, H]``, of which
+        this is layer ``layer``, attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
+        ``write_index [B, T]`` the cache index of each new token (out of range = not written); row
+        ``b`` of the block is cache row ``cache_rows[b]`` (None: the block holds every cache row).
         Without, causal attention over the block, to the keys where ``key_valid [B, T]``."""
         cfg = self.config
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -170,13 +171,15 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, ("act_batch", "act_length", "act_heads", "head_dim"))
 
         if cache_kv is not None:
-            rows = jnp.arange(k.shape[0])[:, None]
+            rows = (jnp.arange(k.shape[0]) if cache_rows is None else cache_rows)[:, None]
             cache_k = cache_kv[0].at[layer, rows, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
             cache_v = cache_kv[1].at[layer, rows, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
-            _, B, _, K_, H_ = cache_k.shape
-            window = (1, B, mask.shape[-1], K_, H_)
+            _, slots, _, K_, H_ = cache_k.shape
+            window = (1, slots, mask.shape[-1], K_, H_)
             k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]
             v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
+            if cache_rows is not None:  # only the block's rows
+                k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
         if cache_kv is None and cfg.attention_impl is None:
             out = causal_attention(q, k, v, key_valid, cfg.attention_chunk)
@@ -207,11 +210,11 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions, mask, key_valid, write_index):
+    def __call__(self, carry, layer, positions, mask, key_valid, write_index, cache_rows):
         """``carry = (x, cache)``: the hidden states and the whole cache (or None), layer ``layer``'s turn."""
         x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index)
+            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index, cache_rows)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -231,6 +234,7 @@ class Transformer(nn.Module):
         cache: Optional[KVCache] = None,
         offsets: Optional[Array] = None,
         window: Optional[int] = None,
+        cache_rows: Optional[Array] = None,
     ):
         """Two modes.
 
@@ -239,7 +243,8 @@ class Transformer(nn.Module):
         * With ``cache`` and ``offsets [B]`` (sampling): the new ``tokens [B, T]`` of row ``b`` go to
           cache indices ``offsets[b] + t`` where ``attention_mask[b, t]``; returns the updated cache.
           Attention reads the first ``window`` slots (default: all); every row's ``offsets[b] + T``
-          must be within it.
+          must be within it. With ``cache_rows [B]``, row ``b`` of the block is cache row
+          ``cache_rows[b]`` (a block of some of the cache's rows; ``offsets`` are of those rows).
         """
         cfg = self.config
         B, T = tokens.shape
@@ -272,13 +277,13 @@ class Transformer(nn.Module):
             layer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
             length=cfg.num_layers,
             unroll=cfg.scan_unroll or cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
-                                                      attention_mask, write_index)
+                                                      attention_mask, write_index, cache_rows)
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 
@@ -297,9 +302,9 @@ def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
     return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
-def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None):
+def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None, cache_rows=None):
     """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``."""
-    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets, window)
+    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows)
 
 
 def abstract_params(cfg: ModelConfig):

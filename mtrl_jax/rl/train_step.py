@@ -50,6 +50,7 @@ class UpdateConfig:
     micro_batches: int = 1
     logprob_chunk: int = 512
     length_bucket: int = 128  # a micro-batch is computed at its longest row rounded up to this (see length_buckets)
+    score_length_bucket: int = 0  # the same for the old / reference log-prob pass; 0: length_bucket
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -58,6 +59,8 @@ class UpdateConfig:
         advantages_lib.ESTIMATORS.check_options(self.advantage, dict(self.advantage_options), "rl.advantage_options")
         if self.old_logp not in ("recompute", "behaviour"):
             raise ValueError(f"rl.old_logp must be 'recompute' or 'behaviour', got {self.old_logp!r}")
+        if self.score_length_bucket < 0:
+            raise ValueError(f"rl.score_length_bucket must be >= 0 (0: rl.length_bucket), got {self.score_length_bucket}")
         for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk", "length_bucket"):
             if getattr(self, field) < 1:
                 raise ValueError(f"rl.{field} must be >= 1, got {getattr(self, field)}")
@@ -185,8 +188,9 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
     data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
             "behav_logp": batch.behav_logp, "old_logp": batch.behav_logp, "adv": adv}
     if scored:
+        score_buckets = length_buckets(T, cfg.score_length_bucket or cfg.length_bucket)
         data.update(score(logprobs, [p for _, p in scored], [n for n, _ in scored], batch.tokens, batch.attention_mask,
-                          buckets, rows_per_micro))
+                          score_buckets, rows_per_micro))
     old_logp = data["old_logp"]
     rng, order_key = jax.random.split(state.rng)
     order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
@@ -207,7 +211,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
             cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
             (_, metrics), g = grad_fn(params, cut, norms)
-            return g, metrics
+            return g, {**metrics, "computed_tokens": jnp.float32(rows_per_micro * length)}
 
         def accumulate(grads, micro_rows):
             # the gathered rows come out of the gather unsharded: split them over the batch axes
@@ -218,7 +222,9 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         # micro-batches of rows of similar length (longest first), each computed at its own length
         micro_rows = by_length(batch.attention_mask, rows, rows_per_micro)
         grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
+        computed = micro_metrics.pop("computed_tokens").sum()
         metrics = {k: _mean_or_max(k, v) for k, v in micro_metrics.items()}
+        metrics["real_token_fraction"] = batch.attention_mask[rows].sum() / computed  # of the tokens the micro-batches computed
         # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
         for key in ("loss", "pg_loss", "kl", "entropy"):
             if key in metrics:

@@ -83,7 +83,9 @@ class Collector:
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
-        self.timings: dict[str, float] = {}  # seconds of the last run(): extend, decode (device calls), tool waits
+        # the last run(): seconds in extend and decode (device calls) and tool waits (``*_s``), and the
+        # share of extend's computed tokens that were real (not padding)
+        self.timings: dict[str, float] = {}
 
     def close(self):
         if self.pool is not None:
@@ -105,6 +107,7 @@ class Collector:
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
         timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0}
+        self.sampler.tokens_extended = self.sampler.tokens_computed = 0
         state = self.sampler.init()
 
         def release_if_done(i: int):
@@ -172,4 +175,5 @@ class Collector:
                     start = time.perf_counter()
                     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
                     timings["tool_wait_s"] += time.perf_counter() - start
+        timings["extend_useful_fraction"] = self.sampler.tokens_extended / max(self.sampler.tokens_computed, 1)
         return [results[i] for i in range(len(requests))]

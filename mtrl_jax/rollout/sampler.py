@@ -53,15 +53,23 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
 
 
 def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-           window: Optional[int] = None) -> SamplerState:
+           window: Optional[int] = None, rows: Optional[jax.Array] = None) -> SamplerState:
     """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded). Attention
-    reads the cache's first ``window`` slots (static; default all): every row's length + ``T`` must fit."""
+    reads the cache's first ``window`` slots (static; default all): every row's length + ``T`` must fit.
+
+    With ``rows [R]``, the block holds only those cache rows: ``tokens [R, T]`` and ``num_new [R]``
+    are of cache rows ``rows``, and the other rows are neither computed nor changed. A row may
+    appear twice only with ``num_new`` 0 both times (padding of the block)."""
     T = tokens.shape[1]
     valid = jnp.arange(T)[None, :] < num_new[:, None]
-    hidden, cache = forward(cfg, params, tokens, valid, state.cache, state.lengths, window)
+    lengths = state.lengths if rows is None else state.lengths[rows]
+    hidden, cache = forward(cfg, params, tokens, valid, state.cache, lengths, window, rows)
     last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    last_hidden = jnp.where((num_new > 0)[:, None], last, state.last_hidden)
-    return SamplerState(cache, state.lengths + num_new.astype(jnp.int32), last_hidden)
+    num_new = num_new.astype(jnp.int32)
+    if rows is None:
+        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], last, state.last_hidden))
+    last_hidden = jnp.where((num_new > 0)[:, None], last, state.last_hidden[rows])
+    return SamplerState(cache, state.lengths.at[rows].add(num_new), state.last_hidden.at[rows].set(last_hidden))
 
 
 def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, max_len: int) -> SamplerState:
@@ -178,6 +186,7 @@ class Sampler:
 
     def __post_init__(self):
         self._extend, self._decode, self._init = _compiled(self.cfg, self.mesh)
+        self.tokens_extended = self.tokens_computed = 0  # by extend: real tokens, and computed ones (padding included)
 
     def window(self, state: SamplerState, rows, new_tokens: int) -> int:
         """The cache slots a call attends to: a power of two (>= 64) above the longest of ``rows``
@@ -192,18 +201,35 @@ class Sampler:
             return self._init(self.slots, self.max_len)
 
     def extend(self, params, state: SamplerState, blocks: Sequence[Sequence[int]]) -> SamplerState:
-        """Append ``blocks[b]`` (possibly empty) to each row; lengths are bucketed."""
+        """Append ``blocks[b]`` (possibly empty) to each row. Only the rows with a block are computed,
+        as a compact block of a power-of-two number of rows (when that is fewer than the slots);
+        the block's length is bucketed too. ``tokens_extended`` / ``tokens_computed`` count the real tokens and
+        the computed (padded) ones."""
         if len(blocks) != self.slots:
             raise ValueError(f"extend: got {len(blocks)} blocks for {self.slots} slots")
+        busy = [row for row, block in enumerate(blocks) if len(block)]
+        if not busy:
+            return state
         longest = max(len(b) for b in blocks)
         width = bucket_length(longest, self.min_bucket)
-        tokens = np.zeros((self.slots, width), np.int32)
+        num_rows = bucket_length(len(busy), 1)
+        rows = None
+        if num_rows < self.slots:  # a compact block; padding rows repeat an idle row, with nothing to add
+            idle = next(row for row in range(self.slots) if not len(blocks[row]))
+            rows = np.array(busy + [idle] * (num_rows - len(busy)), np.int32)
+            blocks = [blocks[row] if i < len(busy) else [] for i, row in enumerate(rows)]
+        tokens = np.zeros((len(blocks), width), np.int32)
         for row, block in enumerate(blocks):
             tokens[row, :len(block)] = block
         num_new = np.array([len(b) for b in blocks], np.int32)
-        window = self.window(state, num_new > 0, width)
+        self.tokens_extended += int(num_new.sum())
+        self.tokens_computed += tokens.size
+        window = self.window(state, np.isin(np.arange(self.slots), busy), width)
+        args = place_batch((tokens, num_new) + (() if rows is None else (rows,)), self.mesh)
         with activate(self.mesh):
-            return self._extend(params, state, *place_batch((tokens, num_new), self.mesh), window=window)
+            if rows is None:
+                return self._extend(params, state, *args, window=window)
+            return self._extend(params, state, *args[:2], window=window, rows=args[2])
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
         """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
