@@ -138,44 +138,48 @@ def test_top_p_restricts_to_the_nucleus():
     np.testing.assert_allclose(logp, np.log(np.array([0.5, 0.3]))[np.asarray(tokens)], rtol=1e-5)  # full-vocab logp
 
 
-def test_extend_computes_only_the_rows_with_new_tokens(model_params):
+def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     model, params = model_params
     cfg = model.config
-    smp = S.Sampler(cfg, slots=4, max_len=64, max_new_tokens=4)
-    start = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
     copy = lambda st: jax.tree.map(jnp.copy, st)  # noqa: E731 - extend donates its state
-    blocks = [[], [6, 7, 8, 9, 10], [], []]
-    before = smp.tokens_computed
-    compact = smp.extend(params, copy(start), blocks)  # one busy row: a block of 1 row x 16
-    assert smp.tokens_computed - before == 16
-    tokens = np.zeros((4, 16), np.int32)
-    tokens[1, :5] = blocks[1]
-    everything = S.extend(cfg, params, copy(start), jnp.asarray(tokens), jnp.asarray([0, 5, 0, 0]), 64)
-    np.testing.assert_array_equal(compact.lengths, everything.lengths)
-    np.testing.assert_allclose(compact.last_hidden, everything.last_hidden, atol=1e-5)
-    np.testing.assert_allclose(compact.cache.k, everything.cache.k, atol=1e-5)
-    others = np.array([0, 2, 3])
-    np.testing.assert_array_equal(np.asarray(compact.last_hidden)[others], np.asarray(start.last_hidden)[others])  # untouched
-    # three busy rows round up to 4 = every slot: the whole batch, no gather
-    before = smp.tokens_computed
-    smp.extend(params, copy(start), [[1], [2, 3], [], [4]])
-    assert smp.tokens_computed - before == 4 * 16
+    smp = S.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=8)
+    start = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
+
+    def check(blocks, computed):
+        before = smp.tokens_computed
+        pieces = smp.extend(params, copy(start), blocks)
+        assert smp.tokens_computed - before == computed
+        tokens = np.zeros((4, max(len(b) for b in blocks)), np.int32)
+        for row, block in enumerate(blocks):
+            tokens[row, :len(block)] = block
+        everything = S.extend(cfg, params, copy(start), jnp.asarray(tokens), jnp.asarray([len(b) for b in blocks]), 128)
+        np.testing.assert_array_equal(pieces.lengths, everything.lengths)
+        np.testing.assert_allclose(pieces.last_hidden, everything.last_hidden, atol=1e-5)
+        np.testing.assert_allclose(pieces.cache.k, everything.cache.k, atol=1e-5)
+        idle = np.array([len(b) == 0 for b in blocks])
+        np.testing.assert_array_equal(np.asarray(pieces.last_hidden)[idle], np.asarray(start.last_hidden)[idle])
+
+    # row 1: 19 tokens = 3 pieces in one call (each sees the ones before it); row 3: 1 piece; 8 lines of 8
+    check([[], list(range(1, 20)), [], [5, 6, 7]], 8 * 8)
+    # 10 + 5 + 1 pieces: more than max_lines, so two calls, the first pieces of every row first
+    check([list(range(1, 80)), [9] * 40, [], [4]], 2 * 8 * 8)
 
 
 def test_bucketed_shapes_reuse_compiled_programs(model_params):
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3)  # shapes no other test compiles
+    smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3, piece=16)  # shapes no other test compiles
     compiled = lambda fn: fn._cache_size()  # noqa: E731 - programs in the jit cache (one per new shape)
     extend0, decode0 = compiled(smp._extend), compiled(smp._decode)
     state = smp.init()
-    for n in [3, 9, 16, 5, 12, 2]:  # all in the 16 bucket, two busy rows, within the first 64-slot window
+    for n in [3, 9, 16, 5, 12, 2]:  # at most 8 pieces of 16 per call, rows within the first 64-slot window
         state = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
     assert compiled(smp._extend) - extend0 == 1
-    for n in [17, 30]:  # one new block bucket (32), longest row past 64 slots: the 96-slot window
-        state = smp.extend(params, state, [[1] * n, [], [3]])
+    state = smp.extend(params, state, [[1] * 17, [], [3]])  # a longer block is more pieces: the same program
+    assert compiled(smp._extend) - extend0 == 1
+    state = smp.extend(params, state, [[1] * 30, [], [3]])  # the longest row passes 64 slots: the 96-slot window
     assert compiled(smp._extend) - extend0 == 2
-    state = smp.extend(params, state, [[1] * 2, [], [3]])  # block bucket 16 again, now with the 96-slot window
-    assert compiled(smp._extend) - extend0 == 3
+    state = smp.extend(params, state, [[1] * 2, [], [3]])  # and stays there
+    assert compiled(smp._extend) - extend0 == 2
     for seed, temp in enumerate([0.5, 1.0, 0.0]):  # new temperatures are arrays: no recompile
         state, _ = smp.decode(params, state, jax.random.PRNGKey(seed), [temp] * 3, [0.9] * 3, [[-1]] * 3, [True] * 3)
     assert compiled(smp._decode) - decode0 == 1

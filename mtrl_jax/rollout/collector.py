@@ -83,8 +83,8 @@ class Collector:
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
-        # the last run(): seconds in extend and decode (device calls) and tool waits (``*_s``), and the
-        # share of extend's computed tokens that were real (not padding)
+        # the last run(): seconds in extend and decode (device calls) and tool waits (``*_s``), the
+        # number of device calls, and the share of extend's computed tokens that were real (not padding)
         self.timings: dict[str, float] = {}
 
     def close(self):
@@ -106,7 +106,7 @@ class Collector:
         slots: list[Optional[_Slot]] = [None] * cfg.slots
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
-        timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0}
+        timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0, "extend_calls": 0, "decode_calls": 0}
         self.sampler.tokens_extended = self.sampler.tokens_computed = 0
         state = self.sampler.init()
 
@@ -142,6 +142,7 @@ class Collector:
                 start = time.perf_counter()
                 state = jax.block_until_ready(self.sampler.extend(params, state, blocks))
                 timings["extend_s"] += time.perf_counter() - start
+                timings["extend_calls"] += 1
                 for s in slots:
                     if s is not None and s.phase == "extend":
                         s.phase, s.block, s.fresh = "decode", [], False
@@ -156,6 +157,7 @@ class Collector:
                                                  [cfg.top_p] * cfg.slots, self.stop_tokens, decoding, budget)
                 tokens, logp, num, reason = jax.device_get((out.tokens, out.logp, out.num_tokens, out.stop_reason))
                 timings["decode_s"] += time.perf_counter() - start
+                timings["decode_calls"] += 1
                 for i, slot in enumerate(slots):
                     if not decoding[i]:
                         continue

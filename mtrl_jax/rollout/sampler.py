@@ -53,23 +53,28 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
 
 
 def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-           window: Optional[int] = None, rows: Optional[jax.Array] = None) -> SamplerState:
+           window: Optional[int] = None, rows: Optional[jax.Array] = None, starts: Optional[jax.Array] = None,
+           last: Optional[jax.Array] = None) -> SamplerState:
     """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded). Attention
     reads the cache's first ``window`` slots (static; default all): every row's length + ``T`` must fit.
 
-    With ``rows [R]``, the block holds only those cache rows: ``tokens [R, T]`` and ``num_new [R]``
-    are of cache rows ``rows``, and the other rows are neither computed nor changed. A row may
-    appear twice only with ``num_new`` 0 both times (padding of the block)."""
+    With ``rows [R]``, ``starts [R]`` and ``last [R]``, line ``i`` of the block is a *piece* of cache
+    row ``rows[i]``'s new tokens: it goes at that row's length + ``starts[i]``, and ``last[i]`` says it
+    ends the row's new tokens (its last hidden state is the row's next-token state). A row may have
+    several pieces in one call: each layer writes every piece's keys and values before any piece
+    attends, so a piece sees the pieces before it. Rows without a piece are neither computed nor
+    changed; padding lines have ``num_new`` 0."""
     T = tokens.shape[1]
     valid = jnp.arange(T)[None, :] < num_new[:, None]
-    lengths = state.lengths if rows is None else state.lengths[rows]
-    hidden, cache = forward(cfg, params, tokens, valid, state.cache, lengths, window, rows)
-    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     num_new = num_new.astype(jnp.int32)
+    offsets = state.lengths if rows is None else state.lengths[rows] + starts
+    hidden, cache = forward(cfg, params, tokens, valid, state.cache, offsets, window, rows)
+    final = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     if rows is None:
-        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], last, state.last_hidden))
-    last_hidden = jnp.where((num_new > 0)[:, None], last, state.last_hidden[rows])
-    return SamplerState(cache, state.lengths.at[rows].add(num_new), state.last_hidden.at[rows].set(last_hidden))
+        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], final, state.last_hidden))
+    target = jnp.where(last & (num_new > 0), rows, state.lengths.shape[0])  # out of range: not written
+    return SamplerState(cache, state.lengths.at[rows].add(num_new),
+                        state.last_hidden.at[target].set(final.astype(state.last_hidden.dtype), mode="drop"))
 
 
 def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, max_len: int) -> SamplerState:
@@ -181,7 +186,8 @@ class Sampler:
     slots: int
     max_len: int
     max_new_tokens: int
-    min_bucket: int = 16
+    piece: int = 32  # extend: tokens per line of a call (blocks are cut into pieces of this many)
+    max_lines: int = 256  # extend: lines per call at most (a power of two)
     mesh: Optional[Mesh] = None
 
     def __post_init__(self):
@@ -201,35 +207,43 @@ class Sampler:
             return self._init(self.slots, self.max_len)
 
     def extend(self, params, state: SamplerState, blocks: Sequence[Sequence[int]]) -> SamplerState:
-        """Append ``blocks[b]`` (possibly empty) to each row. Only the rows with a block are computed,
-        as a compact block of a power-of-two number of rows (when that is fewer than the slots);
-        the block's length is bucketed too. ``tokens_extended`` / ``tokens_computed`` count the real tokens and
-        the computed (padded) ones."""
+        """Append ``blocks[b]`` (possibly empty) to each row.
+
+        Only the new tokens are computed: every block is cut into pieces of ``piece`` tokens, and
+        the pieces go to the device as the lines of one block (a power of two >= 8 of them, at
+        most ``max_lines``; more pieces take more calls, earlier pieces first). So a call's
+        shape is one of a few (lines x ``piece``, and the attention window), whatever the mix of
+        prompts and tool replies. ``tokens_extended`` / ``tokens_computed`` count the real tokens
+        and the computed ones (padding included)."""
         if len(blocks) != self.slots:
             raise ValueError(f"extend: got {len(blocks)} blocks for {self.slots} slots")
-        busy = [row for row, block in enumerate(blocks) if len(block)]
-        if not busy:
+        pieces = sorted((start, row) for row, block in enumerate(blocks) for start in range(0, len(block), self.piece))
+        if not pieces:
             return state
-        longest = max(len(b) for b in blocks)
-        width = bucket_length(longest, self.min_bucket)
-        num_rows = bucket_length(len(busy), 1)
-        rows = None
-        if num_rows < self.slots:  # a compact block; padding rows repeat an idle row, with nothing to add
-            idle = next(row for row in range(self.slots) if not len(blocks[row]))
-            rows = np.array(busy + [idle] * (num_rows - len(busy)), np.int32)
-            blocks = [blocks[row] if i < len(busy) else [] for i, row in enumerate(rows)]
-        tokens = np.zeros((len(blocks), width), np.int32)
-        for row, block in enumerate(blocks):
-            tokens[row, :len(block)] = block
-        num_new = np.array([len(b) for b in blocks], np.int32)
-        self.tokens_extended += int(num_new.sum())
-        self.tokens_computed += tokens.size
-        window = self.window(state, np.isin(np.arange(self.slots), busy), width)
-        args = place_batch((tokens, num_new) + (() if rows is None else (rows,)), self.mesh)
-        with activate(self.mesh):
-            if rows is None:
-                return self._extend(params, state, *args, window=window)
-            return self._extend(params, state, *args[:2], window=window, rows=args[2])
+        lengths = np.asarray(jax.device_get(state.lengths)).copy()  # host copy, advanced call by call
+        added = np.zeros(self.slots, np.int64)  # tokens of each row's block already on the device
+        max_lines = max(8, bucket_length(self.max_lines, 1))
+        for first in range(0, len(pieces), max_lines):
+            call = pieces[first:first + max_lines]
+            lines = min(max_lines, bucket_length(len(call), 8))
+            tokens = np.zeros((lines, self.piece), np.int32)
+            rows, starts, num_new = np.zeros(lines, np.int32), np.zeros(lines, np.int32), np.zeros(lines, np.int32)
+            last = np.zeros(lines, bool)
+            for line, (start, row) in enumerate(call):
+                chunk = blocks[row][start:start + self.piece]
+                tokens[line, :len(chunk)] = chunk
+                rows[line], starts[line], num_new[line] = row, start - added[row], len(chunk)
+                last[line] = start + len(chunk) >= len(blocks[row])
+            reach = lengths[rows] + starts + num_new
+            window = min(self.max_len, bucket_length(int(reach.max()), 64))
+            self.tokens_extended += int(num_new.sum())
+            self.tokens_computed += tokens.size
+            np.add.at(lengths, rows, num_new)
+            np.add.at(added, rows, num_new)
+            with activate(self.mesh):
+                state = self._extend(params, state, *place_batch((tokens, num_new), self.mesh), window=window,
+                                     rows=rows, starts=starts, last=last)
+        return state
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
         """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
