@@ -138,6 +138,19 @@ def test_top_p_restricts_to_the_nucleus():
     np.testing.assert_allclose(logp, np.log(np.array([0.5, 0.3]))[np.asarray(tokens)], rtol=1e-5)  # full-vocab logp
 
 
+def test_samples_follow_the_tempered_distribution():
+    n = 40000
+    probs = np.array([0.1, 0.0, 0.2, 0.3, 0.4])
+    logits = jnp.log(jnp.asarray(np.tile(probs, (n, 1)), jnp.float32)) * 2.0  # temperature 2 gives back probs
+    keys = jax.random.split(jax.random.PRNGKey(1), n)
+    tokens, _ = S.sample_tokens(logits, keys, jnp.full(n, 2.0), jnp.ones(n))
+    counts = np.bincount(np.asarray(tokens), minlength=5) / n
+    assert counts[1] == 0  # probability 0 is never drawn
+    np.testing.assert_allclose(counts, probs, atol=0.01)  # ~5 standard errors
+    greedy, _ = S.sample_tokens(logits[:4], keys[:4], jnp.array([0.0, 0.0, 2.0, 0.0]), jnp.ones(4))
+    assert np.asarray(greedy)[[0, 1, 3]].tolist() == [4, 4, 4]  # greedy rows take the argmax, mixed with a sampled row
+
+
 def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     model, params = model_params
     cfg = model.config

@@ -89,7 +89,11 @@ def next_token_logits(cfg: ModelConfig, params, state: SamplerState) -> jax.Arra
 
 def sample_tokens(logits, keys, temperature, top_p):
     """Sample ``[B]`` ids from ``logits [B, V]`` with one PRNG key per row (``keys [B]``);
-    returns ``(tokens, behaviour logp)``."""
+    returns ``(tokens, behaviour logp)``.
+
+    A row draws one uniform number and takes the first id whose cumulative probability reaches it
+    (inverse-CDF sampling: exact, and one random number per row instead of one per vocabulary
+    entry). When every row is greedy no sampling is computed at all."""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
@@ -102,9 +106,16 @@ def sample_tokens(logits, keys, temperature, top_p):
         threshold = jnp.take_along_axis(sorted_logits, (keep - 1)[:, None], axis=-1)
         return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
-    filtered = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    def sample(scaled):
+        filtered = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
+        cdf = jnp.cumsum(jax.nn.softmax(filtered, axis=-1), axis=-1)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=jnp.finfo(jnp.float32).tiny))(keys)
+        drawn = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+        return jnp.minimum(drawn, logits.shape[-1] - 1).astype(jnp.int32)
+
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda s: argmax, sample, scaled)
+    tokens = jnp.where(greedy, argmax, sampled)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
