@@ -22,6 +22,7 @@ def get_config():
     c.model.param_dtype = "bfloat16"
     c.model.dtype = "bfloat16"
     c.model.remat = True
+    c.model.scan_unroll = 1  # a loop over the layers: compile time does not grow with depth
     c.model.mesh_shape = (1, -1, 1)  # FSDP over all local devices
     c.model.assistant_prefix = "<think>\n\n</think>\n\n"  # Qwen3 without thinking
     c.data.synthetic = False

@@ -96,6 +96,7 @@ def main(argv=None):
     config.rl.micro_batches = args.micro_batches
     config.model.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     config.model.dtype, config.model.remat = args.dtype, True
+    config.model.scan_unroll = 1  # a loop over the layers (the CPU default unrolls them)
     config.rl.logprob_chunk = 512  # chunked, recomputed log-probs: the accelerator's memory goes to the batch
     config.data.max_eval_tasks = 8
     config.checkpoint.every_steps = args.steps

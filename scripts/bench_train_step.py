@@ -8,7 +8,7 @@ layers, hidden 512, vocabulary 32k, B8 x T512) one optimizer step on a batch of 
 
 * **mtrl-jax**: the jitted update of ``mtrl_jax.rl.train_step`` (advantages, token log-probs and
   entropy, the PPO loss, backward, gradient clipping, Adam), in the configuration the README
-  recommends for CPU (float32, no remat, chunked causal attention, the
+  recommends for CPU (float32, no remat, layers unrolled, chunked causal attention, the
   log-probs in one chunk so the logits are held rather than recomputed);
 * **HF**: the same weights exported with ``save_hf_checkpoint`` and loaded by transformers'
   ``Qwen3ForCausalLM`` (torch, float32, its default SDPA attention): forward, log-softmax gather,
@@ -150,9 +150,9 @@ def main():
           + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "") + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
     for name in args.configs.split(","):
         fields, B, T = CONFIGS[name]
-        # the README's CPU settings: float32, no remat, chunked causal attention
+        # the README's CPU settings: float32, no remat, layers unrolled, chunked causal attention
         cfg = ModelConfig(**fields, model_type="qwen3", qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0,
-                          scan_unroll=1, attention_chunk=128)
+                          scan_unroll=0, attention_chunk=128)
         batch = make_batch(cfg, B, T)
         params, ours = project_side(cfg, batch)
         theirs = None if torch is None else hf_side(cfg, params, batch, torch, transformers)
