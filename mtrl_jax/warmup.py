@@ -191,7 +191,7 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
-                      should_stop: Optional[Callable[[], bool]] = None, mesh=None) -> WarmupProgress:
+                      should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
     exactly where it stopped).
@@ -201,7 +201,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     trains on the demonstrations cut after their first turn, which is several times cheaper.
     Whole demonstrations are grouped by length (multiples of ``full_bucket`` tokens): a full step
     draws a demonstration and fills its batch from the same group, so a few long tool responses
-    (a large ``top_k``) do not pad every batch to their length.
+    (a large ``top_k``) do not pad every batch to their length. ``logprob_chunk``: as ``rl.logprob_chunk``.
     """
     tx = warmup_optimizer(steps, learning_rate)
     group_of = [bucket(len(t), full_bucket) for t, _ in demos]
@@ -212,7 +212,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     prefixes = _pack([(t[:_first_turn_end(m)], m[:_first_turn_end(m)]) for t, m in demos])
 
     def loss_fn(params, tok, att, mask):
-        logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=512)
+        logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
         return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @jax.jit
@@ -262,4 +262,5 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
-                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh)
+                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
+                             logprob_chunk=components.updater.config.logprob_chunk)

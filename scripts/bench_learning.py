@@ -4,7 +4,7 @@
 
 Each seed is a full `experiments.run` of configs/default.py (synthetic collection, tokenizer,
 warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
-so the script resumes. The baseline, measured in the same runs, is the warmed-up policy before RL.
+so the script resumes; each run's wall time is printed. The baseline, measured in the same runs, is the warmed-up policy before RL.
 Extra `--config.*` overrides are passed through. It also prints, from the runs' evaluation
 trajectories, nDCG@10 and the share of each tool's first call per query type (the part of the task
 id before its last "-", e.g. `lookup`), before and after RL: what RL changed, not only how much.
@@ -15,6 +15,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -52,8 +53,13 @@ def main():
             cmd = [sys.executable, "-m", "experiments.run", f"--config={args.config}", f"--workdir={workdir}",
                    f"--config.seed={seed}", f"--config.data.synthetic_seed={seed}", "--config.log.progress=False", *overrides]
             print("running", " ".join(cmd), flush=True)
+            start = time.perf_counter()
             subprocess.run(cmd, check=True)
+            (workdir / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
         summaries[seed] = json.loads(summary.read_text())
+        wall = workdir / "wall_seconds.txt"
+        if wall.exists():
+            print(f"seed {seed}: {float(wall.read_text()) / 60:.1f} minutes end to end", flush=True)
     print(f"{'seed':>6} " + " ".join(f"{p}:{k:>14}" for p in ("before", "after") for k in KEYS))
     for seed, s in summaries.items():
         print(f"{seed:>6} " + " ".join(f"{s[p][k]:>21.4f}" for p in ("before", "after") for k in KEYS))
