@@ -210,6 +210,9 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         metrics_log, rollouts = None, None
         try:
+            if jax.process_count() == 1 and run.total_steps > 0:  # compiled while warm-up and evaluation run
+                self.c.updater.warm(self.state, run.global_batch_size * run.group_size, run.batch_length, run.group_size,
+                                    bool(self.c.updater.config.objective.kl_coef))
             self._begin()
             first, _ = self.start
             metrics_log = M.MetricsLog(self.workdir, first + 1) if distributed.is_primary() else None

@@ -19,7 +19,8 @@ TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config
         "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
         "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=2",
         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
-        "--config.model.mesh_shape=(-1,1,1)"]
+        "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
+        "--config.rl.score_length_bucket=0"]
 
 
 def _env(devices: int) -> dict:

@@ -289,7 +289,7 @@ def _config(**overrides):
 @pytest.mark.parametrize("path,value,message", [
     ("global_batch_size", 0, "global_batch_size must be >= 1"),
     ("checkpoint.every_steps", 0, "checkpoint.every_steps must be >= 1"),
-    ("rl.mini_batches", 3, "rl.mini_batches x rl.micro_batches = 3 does not divide the 64 trajectories"),
+    ("rl.mini_batches", 3, "rl.mini_batches x rl.micro_batches = 24 does not divide the 64 trajectories"),
     ("rollout.max_tokens_per_turn", 0, "rollout.max_tokens_per_turn must be >= 1"),
     ("optim.learning_rate", -1.0, "optim.learning_rate must be > 0"),
     ("rollout.group_size", 1, "rollout.group_size must be >= 2"),

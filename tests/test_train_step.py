@@ -119,3 +119,20 @@ def test_a_non_finite_step_is_skipped_and_counted():
     assert int(metrics["skipped_steps"]) == 1 and int(new_state.step) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.opt_state, state.opt_state)
+
+
+def test_warm_compiles_the_update_in_the_background():
+    from mtrl_jax.metrics import CompileCounter
+
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), micro_batches=2, length_bucket=4),
+                      optax.sgd(0.1))
+    state = updater.init_state(params, jax.random.PRNGKey(0))
+    batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
+    updater.warm(state, 8, 10, 2, with_reference=True).join()
+    mark = CompileCounter.mark()
+    new_state, metrics = updater.update(state, batch, params)
+    jax.block_until_ready(metrics)
+    assert CompileCounter.since(mark)["compile/programs"] == 0  # the program was ready
+    assert int(metrics["skipped_steps"]) == 0 and int(new_state.step) == 1
+

@@ -18,7 +18,9 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
          "--config.warmup.steps=2", "--config.data.max_eval_tasks=2", "--config.checkpoint.every_steps=1",
          "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0", "--config.rollout.max_staleness=0",
          "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=1",
-         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24"]
+         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
+         # small batches: one micro-batch, one length branch (a quick compile)
+         "--config.rl.micro_batches=1", "--config.rl.length_bucket=512", "--config.rl.score_length_bucket=0"]
 
 
 def _env():
@@ -158,7 +160,7 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
                "--config.model.dtype=float32", "--config.model.mesh_shape=(1,1,1)",
                f"--config.data.folders={shared_data / 'cranfield'}", "--config.search.cache_dir=",
                "--config.max_steps=2", "--config.rollout.max_len=4096", "--config.rl.micro_batches=1",
-               "--config.rl.length_bucket=256", "--config.eval.every_steps=0", "--config.model.remat=False",
+               "--config.rl.length_bucket=2048", "--config.eval.every_steps=0", "--config.model.remat=False",
                config="configs/qwen3_search.py")
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -269,6 +270,19 @@ class Updater:
         ``.compile()`` and its memory and cost analyses (``scripts/plan_scale.py``)."""
         with activate(self.mesh):
             return self._update.lower(state, batch, ref_params)
+
+    def warm(self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool) -> threading.Thread:
+        """Compile the update for ``[rows, length]`` batches in a background thread, by running it once
+        on an empty batch (the result is dropped), so the first real update finds its program ready.
+        The trainer starts this before the warm-up and the first evaluation, which leave a core idle."""
+        empty = TrajectoryBatch(np.zeros((rows, length), np.int32), np.zeros((rows, length), np.int32),
+                                np.zeros((rows, length), np.float32), np.zeros((rows, length), np.float32),
+                                np.zeros((rows,), np.float32), group_size=group_size)
+        ref = state.params if with_reference else None
+        thread = threading.Thread(target=lambda: jax.block_until_ready(self.update(state, empty, ref)), daemon=True,
+                                  name="update-compile")
+        thread.start()
+        return thread
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""
