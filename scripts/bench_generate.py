@@ -36,17 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import import_torch, model_config
 from mtrl_jax.model import ModelConfig, compute_logits, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import Transformer, forward, init_cache, logits_from_hidden
 from mtrl_jax.rollout import sampler as S
 
-CONFIGS = {
-    "tiny": (dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=32), 32),
-    "30m": (dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
-                 head_dim=64), 8),
-}
+BATCH = {"tiny": 32, "30m": 8}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -191,16 +187,9 @@ def main():
     p.add_argument("--held", type=int, default=64, help="tokens held per row in the capacity comparison")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        torch = transformers = None
-        print(f"torch/transformers are not installed ({e}): the HF generate side is skipped "
-              f"(pip install -r scripts/requirements-fixtures.txt to measure it)")
+    torch, transformers = import_torch("the HF generate side")
     for name in args.configs.split(","):
-        fields, B = CONFIGS[name]
-        cfg = ModelConfig(**fields, model_type="qwen3", qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0)
+        B, cfg = BATCH[name], model_config(name)
         params = init_params(cfg, jax.random.PRNGKey(0))
         prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(B, args.prompt)).astype(np.int32)
         fns = sides(cfg, params, prompts, args.new, torch, transformers)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import import_torch, model_config
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import Transformer
@@ -39,12 +40,7 @@ from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 
-CONFIGS = {
-    "tiny": (dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=32), 32, 384),
-    "30m": (dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
-                 head_dim=64), 8, 512),
-}
+BATCH = {"tiny": (32, 384), "30m": (8, 512)}
 CLIP_LOW, CLIP_HIGH, CLIP_DUAL, LR = 0.2, 0.28, 3.0, 1e-5
 
 
@@ -137,22 +133,15 @@ def main():
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        torch = transformers = None
-        print(f"torch/transformers are not installed ({e}): the HF side is skipped "
-              f"(pip install -r scripts/requirements-fixtures.txt to measure it)")
+    torch, transformers = import_torch("the HF side")
     jax_peak, torch_peak = matmul_peak(args.repeats, torch)
     peak = max(jax_peak, torch_peak)
     print(f"float32 matmul peak (2048^3): jnp.dot {jax_peak / 1e9:.1f} GFLOP/s"
           + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "") + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
     for name in args.configs.split(","):
-        fields, B, T = CONFIGS[name]
+        B, T = BATCH[name]
         # the README's CPU settings: float32, no remat, layers unrolled, chunked causal attention
-        cfg = ModelConfig(**fields, model_type="qwen3", qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0,
-                          scan_unroll=0, attention_chunk=128)
+        cfg = model_config(name, scan_unroll=0, attention_chunk=128)
         batch = make_batch(cfg, B, T)
         params, ours = project_side(cfg, batch)
         theirs = None if torch is None else hf_side(cfg, params, batch, torch, transformers)
