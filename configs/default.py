@@ -95,7 +95,6 @@ def get_config():
     # a micro-batch is computed at its longest row rounded up to length_bucket: one compiled branch per
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
     c.rl.length_bucket = 64
-    c.rl.score_length_bucket = 128  # the same for the old / reference log-prob pass (0: length_bucket)
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
 

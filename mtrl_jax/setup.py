@@ -212,7 +212,7 @@ def update_config(config) -> UpdateConfig:
         # the sampler's convention: temperature <= 0 is greedy, and its behaviour log-probs are at temperature 1
         temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0, old_logp=rl.old_logp, update_epochs=rl.update_epochs,
         mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
-        length_bucket=rl.length_bucket, score_length_bucket=rl.score_length_bucket)
+        length_bucket=rl.length_bucket)
 
 
 def collector_config(config) -> CollectorConfig:

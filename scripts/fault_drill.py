@@ -33,7 +33,7 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
          "--config.checkpoint.keep=5", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
          "--config.rollout.max_staleness=0", "--config.log.progress=False", "--config.model.tiny_layers=1",
          "--config.rl.mini_batches=1", "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
-         "--config.rl.micro_batches=1", "--config.rl.length_bucket=512", "--config.rl.score_length_bucket=0"]
+         "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
 
 RESULTS: list[tuple[str, bool, str]] = []
 

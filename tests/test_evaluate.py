@@ -67,7 +67,7 @@ def _env():
 
 TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",
         "--config.rollout.decode_chunk=8", "--config.model.tiny_layers=1", "--config.rollout_max_concurrency=8",
-        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512", "--config.rl.score_length_bucket=0"]
+        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
-from mtrl_jax.rl.train_step import UpdateConfig, Updater, length_buckets, minibatch_order, score, switch_on_length
+from mtrl_jax.rl.train_step import (UpdateConfig, Updater, by_length, length_buckets, minibatch_order, score,
+                                     switch_on_length)
 
 CFG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=8, tie_word_embeddings=True)
@@ -47,13 +48,14 @@ def test_switch_on_length_takes_the_smallest_bucket_that_holds_every_row():
         assert int(switch_on_length((4, 8, 10), jnp.asarray(mask), lambda length, x: x + length, jnp.int32(0))) == expected
 
 
-def test_scoring_sorts_by_length_and_returns_every_row_in_place():
+def test_scoring_returns_every_row_in_place():
     params = init_params(CFG, jax.random.PRNGKey(1))
     other = init_params(CFG, jax.random.PRNGKey(2))
     batch = _batch([0.0] * 8, T=12, seed=3)
     logprobs = lambda p, t, a: sequence_logprobs(CFG, p, t, a, chunk_size=7)  # noqa: E731
+    groups = by_length(jnp.asarray(batch.attention_mask), jnp.asarray([3, 1, 0, 2, 7, 5, 4, 6]), 2)
     got = jax.jit(lambda p, q: score(logprobs, [p, q], ["old", "ref"], batch.tokens, batch.attention_mask,
-                                     (4, 8, 12), 2))(params, other)
+                                     (4, 8, 12), groups))(params, other)
     for name, p in (("old", params), ("ref", other)):
         want = np.asarray(logprobs(p, batch.tokens, batch.attention_mask)[0]) * batch.attention_mask
         np.testing.assert_allclose(np.asarray(got[name]), want, atol=2e-5)
@@ -135,4 +137,17 @@ def test_warm_compiles_the_update_in_the_background():
     jax.block_until_ready(metrics)
     assert CompileCounter.since(mark)["compile/programs"] == 0  # the program was ready
     assert int(metrics["skipped_steps"]) == 0 and int(new_state.step) == 1
+
+
+def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():
+    """The old and reference log-probs are computed in the first epoch's micro-batches, so with
+    every advantage 0 and the policy equal to the reference the gradient is exactly 0, and Adam
+    (which would blow float noise up to a full-size step) leaves every parameter untouched."""
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), mini_batches=2, micro_batches=2,
+                                        length_bucket=4), optax.adam(1e-2))
+    state = updater.init_state(params, jax.random.PRNGKey(0))
+    new_state, metrics = updater.update(state, _batch([0.5] * 8), params)
+    assert float(metrics["first_minibatch_ratio_max_dev"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, params)
 

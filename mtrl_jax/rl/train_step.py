@@ -51,7 +51,6 @@ class UpdateConfig:
     micro_batches: int = 1
     logprob_chunk: int = 512
     length_bucket: int = 128  # a micro-batch is computed at its longest row rounded up to this (see length_buckets)
-    score_length_bucket: int = 0  # the same for the old / reference log-prob pass; 0: length_bucket
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -60,8 +59,6 @@ class UpdateConfig:
         advantages_lib.ESTIMATORS.check_options(self.advantage, dict(self.advantage_options), "rl.advantage_options")
         if self.old_logp not in ("recompute", "behaviour"):
             raise ValueError(f"rl.old_logp must be 'recompute' or 'behaviour', got {self.old_logp!r}")
-        if self.score_length_bucket < 0:
-            raise ValueError(f"rl.score_length_bucket must be >= 0 (0: rl.length_bucket), got {self.score_length_bucket}")
         for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk", "length_bucket"):
             if getattr(self, field) < 1:
                 raise ValueError(f"rl.{field} must be >= 1, got {getattr(self, field)}")
@@ -140,14 +137,15 @@ def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
 
 
 def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, attention_mask: jax.Array,
-          buckets: tuple[int, ...], group: int) -> dict:
-    """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch: the rows are
-    sorted by length into groups of ``group``, and each group is computed at its own length
+          buckets: tuple[int, ...], groups: jax.Array) -> dict:
+    """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch, group by group
+    (``groups [n, g]``: row indices, every row once), each group computed at its own length
     (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
-    Positions past a row's length get 0, as ``sequence_logprobs`` gives padding nothing."""
+    The update passes its first epoch's micro-batches as the groups, so the old log-probs are the
+    very computation its first mini-batch repeats: the first ratio is 1 to the last bit, and a step
+    whose advantages are all 0 has a gradient of exactly 0. Positions past a row's length get 0."""
     B, T = tokens.shape
     tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
-    groups = by_length(attention_mask, jnp.arange(B), group)
 
     def group_logprobs(length, tok, att):
         return tuple(jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
@@ -186,15 +184,15 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         if ref_params is None:
             raise ValueError("rl.kl_coef > 0 needs the reference parameters")
         scored.append(("ref_logp", ref_params))
-    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
-            "behav_logp": batch.behav_logp, "old_logp": batch.behav_logp, "adv": adv}
-    if scored:
-        score_buckets = length_buckets(T, cfg.score_length_bucket or cfg.length_bucket)
-        data.update(score(logprobs, [p for _, p in scored], [n for n, _ in scored], batch.tokens, batch.attention_mask,
-                          score_buckets, rows_per_micro))
-    old_logp = data["old_logp"]
     rng, order_key = jax.random.split(state.rng)
     order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
+    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
+            "behav_logp": batch.behav_logp, "old_logp": batch.behav_logp, "adv": adv}
+    if scored:  # in the first epoch's micro-batches (see score)
+        first_epoch = jnp.concatenate([by_length(batch.attention_mask, rows, rows_per_micro) for rows in order[:cfg.mini_batches]])
+        data.update(score(logprobs, [p for _, p in scored], [n for n, _ in scored], batch.tokens, batch.attention_mask,
+                          buckets, first_epoch))
+    old_logp = data["old_logp"]
 
     def micro_loss(params, micro, norms):
         logp, entropy = logprobs(params, micro["tokens"], micro["attention_mask"])
