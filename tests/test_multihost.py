@@ -19,7 +19,8 @@ TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config
         "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
         "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=2",
         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
-        "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
+        "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
+        "--config.optim.warmup_steps=0"]
 
 
 def _env(devices: int) -> dict:
@@ -47,11 +48,6 @@ def _final_state(workdir: pathlib.Path, step: int, like=None):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "known regression of the length-sorted update (issue 16, 2026-11-30): on one process of 8 CPU devices the "
-    "old log-probs of step 1 differ from the first mini-batch's by ~1e-6 (ratio 1 - 9.5e-7; bit-exact on 2 x 4 "
-    "devices and on one device), and Adam turns that noise of an all-zero-advantage step into a full-size step. "
-    "strict: this fails again, and must lose the mark, once the two agree"))
 def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
     single = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'one'}"], cwd=REPO,
                             env=_env(8), capture_output=True, text=True, timeout=900)

@@ -141,9 +141,8 @@ def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, atten
     """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch, group by group
     (``groups [n, g]``: row indices, every row once), each group computed at its own length
     (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
-    The update passes its first epoch's micro-batches as the groups, so the old log-probs are the
-    very computation its first mini-batch repeats: the first ratio is 1 to the last bit, and a step
-    whose advantages are all 0 has a gradient of exactly 0. Positions past a row's length get 0."""
+    The update passes its first epoch's micro-batches as the groups, so each group is scored at the
+    length its micro-batch trains at. Positions past a row's length get 0."""
     B, T = tokens.shape
     tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
 
@@ -194,22 +193,34 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
                           buckets, first_epoch))
     old_logp = data["old_logp"]
 
-    def micro_loss(params, micro, norms):
+    # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
+    # current parameters (the old policy always; the reference at the first RL step) takes the training
+    # forward's own log-probs, so the first ratio is 1 to the last bit and an all-zero-advantage step has
+    # a gradient of exactly 0 (two compiled programs agree only to ~1 ulp, which Adam would amplify).
+    current = {"old_logp": jnp.bool_(True)} if cfg.old_logp == "recompute" else {}
+    if obj.kl_coef:
+        current["ref_logp"] = jnp.all(jnp.stack([jnp.array_equal(a, b) for a, b in
+                                                 zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]))
+
+    def micro_loss(params, micro, norms, first):
         logp, entropy = logprobs(params, micro["tokens"], micro["attention_mask"])
+        micro = {**micro, **{name: jnp.where(first & same, jax.lax.stop_gradient(logp), micro[name])
+                             for name, same in current.items()}}
         return objective(obj, logp, micro["old_logp"], micro["adv"], micro["loss_mask"], entropy=entropy,
                          behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
                          ref_logp=micro.get("ref_logp"), **norms)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def optimizer_step(carry, rows):
+    def optimizer_step(carry, xs):
+        rows, first = xs
         params, opt_state, step, skipped = carry
         mask = loss_mask[rows]
         norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
 
         def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
             cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
-            (_, metrics), g = grad_fn(params, cut, norms)
+            (_, metrics), g = grad_fn(params, cut, norms, first)
             return g, {**metrics, "computed_tokens": jnp.float32(rows_per_micro * length)}
 
         def accumulate(grads, micro_rows):
@@ -238,7 +249,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         return carry, metrics
 
     init = (state.params, state.opt_state, state.step, jnp.zeros((), jnp.int32))
-    (params, opt_state, step, skipped), history = jax.lax.scan(optimizer_step, init, order)
+    (params, opt_state, step, skipped), history = jax.lax.scan(optimizer_step, init, (order, jnp.arange(order.shape[0]) == 0))
     metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
     metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
     metrics["skipped_steps"] = skipped
