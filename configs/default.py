@@ -40,6 +40,7 @@ def get_config():
     c.model.scan_unroll = 0
     c.model.mesh_shape = (1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
     c.model.assistant_prefix = ""  # e.g. "<think>\n\n</think>\n\n" for Qwen3 without thinking
+    c.model.chat_template = ""  # "": hand-written ChatML; "checkpoint": the checkpoint's own jinja template
 
     c.data = config_dict.ConfigDict()
     c.data.synthetic = True
@@ -63,7 +64,8 @@ def get_config():
     c.env.max_turns = 4
     c.env.answer_fallback = "fusion"
     c.env.max_answer_docs = 10
-    c.env.tool_prompt = "compact"  # "schemas" (Qwen's full JSON schemas) for real checkpoints
+    c.env.tool_prompt = "compact"  # "schemas" (Qwen's JSON schemas in the system message), "template" (the chat
+    # template renders them), "auto" (template if the checkpoint's template renders tools, else schemas)
 
     c.rollout = config_dict.ConfigDict()
     c.rollout.group_size = 8

@@ -58,7 +58,7 @@ For each function call, return a json object with function name and arguments wi
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 
-TOOL_PROMPTS = ("schemas", "compact")
+TOOL_PROMPTS = ("schemas", "compact", "template", "auto")
 
 
 def system_prompt(tool_schemas: Sequence[dict], tool_prompt: str = "schemas", instructions: Optional[str] = None) -> str:
@@ -66,14 +66,17 @@ def system_prompt(tool_schemas: Sequence[dict], tool_prompt: str = "schemas", in
 
     ``"schemas"``: the JSON schemas in ``<tools></tools>``, as Qwen chat templates render them;
     ``"compact"``: short instructions and one line naming the tools (the tiny default, whose
-    every training sequence carries this prompt)."""
+    every training sequence carries this prompt); ``"template"``: the instructions only, the
+    checkpoint's own chat template rendering the tools (``TemplateChat``, given the schemas)."""
     if tool_prompt == "compact":
         tools = ", ".join(f"{f['function']['name']}({', '.join(f['function']['parameters'].get('properties', {}))})"
                           for f in tool_schemas)
         return (f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
                 f"call as {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{TOOL_CALL_CLOSE}")
+    if tool_prompt == "template":  # the checkpoint's chat template renders the tools (TemplateChat)
+        return DEFAULT_INSTRUCTIONS if instructions is None else instructions
     if tool_prompt != "schemas":
-        raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS}, got {tool_prompt!r}")
+        raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got {tool_prompt!r}")
     schemas = "\n".join(json.dumps(f) for f in tool_schemas)
     return (DEFAULT_INSTRUCTIONS if instructions is None else instructions) + TOOLS_TEMPLATE.format(schemas=schemas)
 
@@ -97,27 +100,52 @@ class ParsedCall(NamedTuple):
     error: Optional[str] = None
 
 
-def parse_tool_calls(text: str) -> list[ParsedCall]:
-    """Every ``<tool_call>`` block of an assistant turn, in order (Qwen / Hermes JSON bodies)."""
+# Qwen2.5-Coder writes its calls as fenced JSON (```json {"name": ..., "arguments": ...} ```)
+FENCED = re.compile(r"```[A-Za-z_]*[ \t]*\n?(.*?)```", re.DOTALL)
+
+
+def _looks_like_call(body: str) -> bool:
+    body = body.strip()
+    return body[:1] in ("{", "[") and '"name"' in body
+
+
+def _parse_call_body(body: str) -> list[ParsedCall]:
+    """One call body: a JSON object ``{"name": ..., "arguments": {...}}`` (Qwen, Hermes), or a JSON
+    list of them (SmolLM2's format); ``arguments`` may also be a JSON string of an object (OpenAI's)."""
+    try:
+        parsed = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        return [ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {e.msg}")]
+    except (RecursionError, ValueError) as e:  # nesting too deep, an integer of thousands of digits
+        return [ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {type(e).__name__}")]
+    items = parsed if isinstance(parsed, list) and parsed else [parsed]
     calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append(ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {e.msg}"))
-            continue
-        except (RecursionError, ValueError) as e:  # nesting too deep, an integer of thousands of digits
-            calls.append(ParsedCall(None, None, "bad_json", f"invalid JSON in tool call: {type(e).__name__}"))
-            continue
+    for call in items:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(ParsedCall(None, None, "bad_format", 'a tool call must be {"name": ..., "arguments": {...}}'))
             continue
         arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (RecursionError, ValueError):
+                pass
         if not isinstance(arguments, dict):
             calls.append(ParsedCall(call["name"], None, "bad_arguments", f"{call['name']}: arguments must be a JSON object"))
             continue
         calls.append(ParsedCall(call["name"], arguments))
-    if text.count(TOOL_CALL_OPEN) > len(calls):
+    return calls
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall]:
+    """Every tool call of an assistant turn, in order: the ``<tool_call>`` blocks (Qwen / Hermes JSON
+    bodies, or a JSON list of calls), or, in a turn with neither those nor an ``<answer>``, fenced
+    code blocks holding call JSON (the form Qwen2.5-Coder emits)."""
+    bodies = TOOL_CALL.findall(text)
+    if not bodies and TOOL_CALL_OPEN not in text and ANSWER_OPEN not in text:
+        bodies = [b for b in FENCED.findall(text) if _looks_like_call(b)]
+    calls = [call for body in bodies for call in _parse_call_body(body)]
+    if text.count(TOOL_CALL_OPEN) > len(TOOL_CALL.findall(text)):
         calls.append(ParsedCall(None, None, "bad_format", f"unterminated {TOOL_CALL_OPEN} (missing {TOOL_CALL_CLOSE})"))
     return calls
 
@@ -253,3 +281,111 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+# ----------------------------------------------------------------------------- a checkpoint's own template
+
+
+def compile_chat_template(template: str):
+    """A jinja chat template compiled as transformers' ``apply_chat_template`` compiles it (sandboxed,
+    ``trim_blocks`` / ``lstrip_blocks``, loop controls, its ``tojson`` / ``raise_exception`` /
+    ``strftime_now``), so that it renders the very same text."""
+    import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def template_renders_tools(template: str) -> bool:
+    """Whether a chat template reads the ``tools`` variable (Qwen2.5's does; SmolLM2's does not, so
+    the tools must then be described in the system message)."""
+    import jinja2
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+
+
+_TURN, _MARK = "\ue000turn\ue000", "\ue000{}\ue001"  # private-use sentinels, never in real text
+
+
+@dataclasses.dataclass
+class TemplateChat(ChatFormat):
+    """Renders with the checkpoint's own jinja chat template (``tokenizer_config.json``), token for
+    token what transformers' ``apply_chat_template(messages, tools=...)`` gives.
+
+    The tools go to the template only when the system message carries them (``"tools"``: the
+    schemas, which the environment sets for ``env.tool_prompt="template"``); otherwise they are
+    described in the system message's text. Environment replies are rendered as the template
+    renders them after an assistant turn (the text following the turn's ``<|im_end|>``), with
+    control-token text inside tool output encoded as plain text (see ``_encode_parts``)."""
+
+    template: str = ""
+    variables: dict = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ...: what the template may read
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.template:
+            raise ValueError("TemplateChat needs a chat template")
+        self._compiled = compile_chat_template(self.template)
+        self.renders_tools = template_renders_tools(self.template)
+
+    @classmethod
+    def from_checkpoint(cls, directory: os.PathLike) -> "TemplateChat":
+        import pathlib
+
+        directory = pathlib.Path(directory)
+        config_file = directory / "tokenizer_config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{config_file}: not found (model.chat_template='checkpoint' renders with its chat_template)")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{config_file}: no chat_template")
+        variables = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        return cls(Tokenizer.from_file(str(directory / "tokenizer.json")), template=template, variables=variables)
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        tools = None
+        plain = []
+        for m in messages:
+            if "tools" in m:
+                if not self.renders_tools:
+                    raise ValueError("this chat template does not render tools: describe them in the system message "
+                                     "(env.tool_prompt='schemas')")
+                tools = m["tools"]
+            plain.append({k: v for k, v in m.items() if k != "tools"})
+        return self._compiled.render(messages=plain, tools=tools, add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def prompt(self, messages: Sequence[dict]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def continuation(self, messages: Sequence[dict]) -> list[int]:
+        marks = [_MARK.format(i) for i in range(len(messages))]
+        head = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": _TURN}]
+        text = self.render(head + [dict(m, content=mark) for m, mark in zip(messages, marks)], add_generation_prompt=True)
+        at = text.find(_TURN)
+        rest = text[at + len(_TURN):] if at >= 0 else ""
+        if not rest.startswith(IM_END):
+            raise ValueError(f"the chat template does not close an assistant turn with {IM_END} right after its content; "
+                             "its replies cannot be appended to sampled turns")
+        rest, parts = rest[len(IM_END):], []
+        for m, mark in zip(messages, marks):
+            before, found, rest = rest.partition(mark)
+            if not found:
+                raise ValueError(f"the chat template did not render a {m['role']!r} message's content")
+            parts += [(before, False), (m["content"], m["role"] == "tool")]
+        return self._encode_parts(parts + [(rest, False)])

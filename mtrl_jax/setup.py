@@ -17,7 +17,7 @@ import jax
 import optax
 
 from mtrl_jax import distributed
-from mtrl_jax.chat import ChatFormat, tokenizer_seed_texts, train_tokenizer
+from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
 from mtrl_jax.data.collection import Collection, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
@@ -138,14 +138,47 @@ def build_environment(config, collections: Mapping[str, Collection]) -> Environm
         index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
         cache_dir=config.search.cache_dir or None, remote_url=config.search.remote_url or None)
     env_cfg = SearchEnvConfig(max_turns=config.env.max_turns, answer_fallback=config.env.answer_fallback,
-                              max_answer_docs=config.env.max_answer_docs, tool_prompt=config.env.tool_prompt)
+                              max_answer_docs=config.env.max_answer_docs, tool_prompt=resolve_tool_prompt(config))
     return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
+
+
+def _checkpoint_chat(config) -> Optional[TemplateChat]:
+    """``model.chat_template``: "" renders the hand-written ChatML (``ChatFormat``); "checkpoint"
+    renders with the checkpoint's own jinja template (``TemplateChat``)."""
+    m = config.model
+    if m.chat_template not in ("", "checkpoint"):
+        raise ValueError(f"model.chat_template must be '' (hand-written ChatML) or 'checkpoint', got {m.chat_template!r}")
+    if m.chat_template != "checkpoint":
+        return None
+    if not m.checkpoint:
+        raise ValueError("model.chat_template='checkpoint' needs model.checkpoint (a directory with tokenizer_config.json)")
+    if m.assistant_prefix:
+        raise ValueError("model.assistant_prefix applies to the hand-written ChatML only; with model.chat_template="
+                         "'checkpoint' the template's generation prompt is used")
+    return TemplateChat.from_checkpoint(m.checkpoint)
+
+
+def resolve_tool_prompt(config) -> str:
+    """``env.tool_prompt``, with "auto" resolved: "template" when the checkpoint's chat template renders
+    the tools, else "schemas" (the tools described in the system message)."""
+    tool_prompt = config.env.tool_prompt
+    chat = _checkpoint_chat(config) if tool_prompt in ("auto", "template") else None
+    if tool_prompt == "auto":
+        return "template" if chat is not None and chat.renders_tools else "schemas"
+    if tool_prompt == "template" and (chat is None or not chat.renders_tools):
+        raise ValueError("env.tool_prompt='template' needs model.chat_template='checkpoint' with a chat template that renders "
+                         "tools" + ("" if chat is None else f" (the one in {config.model.checkpoint} does not)"))
+    return tool_prompt
 
 
 def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collection], env: Environment,
                train_if_missing: bool = True) -> ChatFormat:
-    """The checkpoint's tokenizer, ``model.tokenizer``, or (the tiny default) ``<workdir>/tokenizer.json``,
+    """The checkpoint's tokenizer (rendered with its own chat template for ``model.chat_template=
+    "checkpoint"``), ``model.tokenizer``, or (the tiny default) ``<workdir>/tokenizer.json``,
     trained on the corpus and the protocol's strings the first time and reused on resume."""
+    templated = _checkpoint_chat(config)
+    if templated is not None:
+        return templated
     prefix = config.model.assistant_prefix
     if config.model.tokenizer:
         return ChatFormat.from_file(config.model.tokenizer, prefix)

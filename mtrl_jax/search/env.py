@@ -51,8 +51,8 @@ class SearchEnvConfig:
     tool_prompt: str = "schemas"  # see chat.system_prompt
 
     def __post_init__(self):
-        if self.tool_prompt not in TOOL_PROMPTS:
-            raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS}, got {self.tool_prompt!r}")
+        if self.tool_prompt not in TOOL_PROMPTS[:3]:
+            raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got {self.tool_prompt!r}")
         if self.answer_fallback not in ("last_search", "fusion", "none"):
             raise ValueError(f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}")
         if self.max_turns < 1:
@@ -74,7 +74,10 @@ class SearchEnvironment(Environment):
         return system_prompt([t.schema() for t in self.tools.values()], self.config.tool_prompt, self.config.instructions)
 
     def reset(self, task) -> tuple[SearchEpisode, list[dict]]:
-        return SearchEpisode(task), [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": task.query}]
+        system = {"role": "system", "content": self.system_prompt()}
+        if self.config.tool_prompt == "template":  # the chat template renders them (chat.TemplateChat)
+            system["tools"] = [t.schema() for t in self.tools.values()]
+        return SearchEpisode(task), [system, {"role": "user", "content": task.query}]
 
     def step(self, episode: SearchEpisode, assistant_text: str, hit_token_limit: bool = False) -> StepResult:
         if episode.status is not None:

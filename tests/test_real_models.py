@@ -1,0 +1,104 @@
+"""Real instruction-tuned checkpoints (scripts/fetch_models.py) against transformers: logits, greedy
+decoding with the project's sampler, the chat template of a three-turn episode, export and reload.
+
+Each test skips when its model has not been fetched (``models/<name>``, or ``MTRL_MODELS_DIR``).
+The transformers side comes from ``tests/fixtures/real/<name>.npz`` (scripts/make_real_fixtures.py);
+with torch and transformers installed, the logits and the chat rendering are also compared live."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import real_models as R
+from mtrl_jax.model import compute_logits, load_hf_checkpoint, save_hf_checkpoint
+from mtrl_jax.rollout import sampler as S
+
+LOGIT_TOL = 2e-4
+
+
+@pytest.fixture(scope="module", params=R.MODELS)
+def real(request):
+    name = request.param
+    directory = R.MODELS_DIR / name
+    if not (directory / "fetch.json").exists():
+        pytest.skip(f"{name} not fetched: python scripts/fetch_models.py --model {name} --out {directory}")
+    fixture = np.load(R.FIXTURES / f"{name}.npz")
+    record = json.loads(bytes(fixture["record"]).decode())
+    assert json.loads((directory / "fetch.json").read_text())["gguf_sha256"] == record["gguf_sha256"]
+    model, params = load_hf_checkpoint(directory)
+    return name, directory, fixture, record, model, params
+
+
+def _transformers():
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, None
+    return torch, transformers
+
+
+@pytest.mark.slow
+def test_logits_match_transformers(real):
+    name, directory, fixture, _, model, params = real
+    torch, transformers = _transformers()
+    hf = None if torch is None else transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    for i in range(len(R.PROMPTS)):
+        ids = fixture[f"prompt{i}_ids"]
+        ours = np.asarray(compute_logits(model, params, ids[None]))[0]
+        vocab = fixture[f"prompt{i}_vocab"]
+        assert len(ids) > 0 and ours.shape == (len(ids), model.config.vocab_size)
+        np.testing.assert_allclose(ours[:, vocab], fixture[f"prompt{i}_logits"], atol=LOGIT_TOL, rtol=0)
+        if hf is not None:  # every vocabulary entry, live
+            with torch.no_grad():
+                full = hf(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+            np.testing.assert_allclose(ours, full, atol=LOGIT_TOL, rtol=0)
+    assert len({len(fixture[f"prompt{i}_ids"]) for i in range(len(R.PROMPTS))}) == len(R.PROMPTS)  # several lengths
+
+
+@pytest.mark.slow
+def test_greedy_decoding_matches_transformers_generate(real):
+    name, _, fixture, _, model, params = real
+    prompts = [fixture[f"greedy{i}_prompt"] for i in range(3)]
+    new = R.GREEDY_TOKENS
+    smp = S.Sampler(model.config, slots=len(prompts), max_len=max(map(len, prompts)) + new, max_new_tokens=new)
+    state = smp.extend(params, smp.init(), [list(p) for p in prompts])
+    B = len(prompts)
+    out = smp.decode(params, state, jax.random.split(jax.random.PRNGKey(0), B), np.zeros(B, np.float32), np.ones(B, np.float32),
+                     np.full((B, 1), -1, np.int32), np.ones(B, bool), np.full(B, new, np.int32))[1]
+    tokens = np.asarray(out.tokens)
+    for i in range(B):
+        np.testing.assert_array_equal(tokens[i, :new], fixture[f"greedy{i}_tokens"], err_msg=f"{name} prompt {i}")
+
+
+def test_the_environment_renders_the_checkpoints_own_chat_template(real):
+    """System (with the tools as the template wants them), user, three assistant turns and the tool
+    responses: token for token ``apply_chat_template(messages, tools=...)``."""
+    name, directory, fixture, record, _, _ = real
+    env, chat = R.environment(directory)
+    run = R.scripted_episode(env, chat)
+    assert run.messages == record["messages"]  # the same episode as the fixture's
+    assert [m["role"] for m in run.messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant"]
+    expected = list(fixture["episode_ids"])
+    # apply_chat_template closes the last turn with "<|im_end|>\n"; the trajectory ends at the sampled <|im_end|>
+    assert chat.decode(expected[-1:]) == "\n" and expected[-2] == chat.im_end_id
+    assert run.trajectory.tokens == expected[:-1]
+    assert "<tools>" in chat.decode(run.trajectory.tokens) and run.trajectory.status == "ok"
+    assert chat.renders_tools == (name.startswith("qwen"))  # Qwen2.5's template renders them; SmolLM2's does not
+    torch, transformers = _transformers()
+    if transformers is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+        plain = [{k: v for k, v in m.items() if k != "tools"} for m in run.messages]
+        live = tokenizer.apply_chat_template(plain, tools=R.tool_schemas(env), tokenize=True)
+        assert list(live["input_ids"] if hasattr(live, "keys") else live) == expected
+
+
+@pytest.mark.slow
+def test_export_and_reload_is_lossless(real, tmp_path):
+    _, _, _, _, model, params = real
+    save_hf_checkpoint(model, params, tmp_path / "out")
+    model2, params2 = load_hf_checkpoint(tmp_path / "out")
+    assert model2.config == model.config
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
