@@ -18,7 +18,7 @@ import jax
 from mtrl_jax import distributed
 from mtrl_jax.checkpoint import Checkpoints, abstract_state
 from mtrl_jax.metrics import summarize, write_trajectories
-from mtrl_jax.rollout.collector import Collector, EpisodeRequest
+from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import PublishedParams
 from mtrl_jax.search.metrics import write_trec_run
 from mtrl_jax.setup import build
@@ -74,7 +74,11 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
         params = components.params
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
-    collector_cfg = dataclasses.replace(components.collector, temperature=temperature, tool_workers=0)  # deterministic
+    rows = components.rollout_mesh.shape["data"] * components.rollout_mesh.shape["fsdp"]
+    episodes = -(-max([sum(t.corpus == n for t in components.val_tasks) for n in components.collections] or [1]) * samples
+                 // jax.process_count())
+    collector_cfg = dataclasses.replace(fitted_slots(components.collector, episodes, rows), temperature=temperature,
+                                        tool_workers=0)  # deterministic; no more rows than episodes
     collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg,
                           PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0), components.rollout_mesh)
     key = jax.random.PRNGKey(config.seed + 3)

@@ -108,7 +108,7 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
         raise ValueError("no data: set data.synthetic=True or data.folders")
     train, val = {}, []
     for name, c in collections.items():
-        t, v = split(c.tasks, config.data.validation_fraction)
+        t, v = split(c.tasks, config.data.validation_fraction, minimum=config.data.validation_min)
         train[name] = t
         val += v
     weights = csv(config.data.weights)

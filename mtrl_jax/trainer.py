@@ -28,7 +28,7 @@ from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import run_episodes
 from mtrl_jax.rl.batch import make_batch
-from mtrl_jax.rollout.collector import Collector, EpisodeRequest
+from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
 from mtrl_jax.setup import Components, build
 from mtrl_jax.warmup import WarmupProgress, warm_up, warmup_optimizer
@@ -84,8 +84,13 @@ class Trainer:
         self.ref_params = None
         self.published = PublishedParams(None, 0)
         self.publish(self.state.params, 0)
-        self.collector = Collector(c.model_cfg, c.chat, c.env, c.collector, self.published, c.rollout_mesh)
-        eval_cfg = dataclasses.replace(c.collector, temperature=max(c.run.eval_temperature, 0.0))
+        # never more rows (each a max_len KV cache) than this process's episodes of a step / of an evaluation
+        rows, processes = c.rollout_mesh.shape["data"] * c.rollout_mesh.shape["fsdp"], jax.process_count()
+        step_episodes = -(-c.run.global_batch_size * c.run.group_size // processes)
+        eval_episodes = -(-max([sum(t.corpus == n for t in c.val_tasks) for n in c.collections] or [1]) // processes)
+        self.collector = Collector(c.model_cfg, c.chat, c.env, fitted_slots(c.collector, step_episodes, rows), self.published,
+                                   c.rollout_mesh)
+        eval_cfg = dataclasses.replace(fitted_slots(c.collector, eval_episodes, rows), temperature=max(c.run.eval_temperature, 0.0))
         self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published, c.rollout_mesh)
         self.start = (0, self.record.cursor)  # (RL step, data cursor) the loop starts from
         self.stop_requested = False

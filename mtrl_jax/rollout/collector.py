@@ -42,6 +42,14 @@ class CollectorConfig:
     tool_workers: int = 4  # 0: run tools inline (fully deterministic schedule)
 
 
+def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> CollectorConfig:
+    """``config`` with no more generation rows than ``episodes`` to run at once (rounded up to a
+    multiple of ``rows``, the devices the rows are split over): every row holds a ``max_len`` KV cache,
+    so 128 slots of 8,192 tokens for 50 episodes would be gigabytes allocated for nothing."""
+    needed = max(rows, -(-max(episodes, 1) // rows) * rows)
+    return dataclasses.replace(config, slots=min(config.slots, needed))
+
+
 @dataclasses.dataclass
 class EpisodeRequest:
     task: object
