@@ -102,3 +102,36 @@ def test_export_and_reload_is_lossless(real, tmp_path):
     model2, params2 = load_hf_checkpoint(tmp_path / "out")
     assert model2.config == model.config
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
+
+
+@pytest.mark.slow
+def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp_path, shared_data):
+    """configs/real_cpu.py, shrunk: 2 RL steps of SmolLM2-135M-Instruct on Cranfield. An entropy bonus
+    gives the step a gradient whatever the rewards (a base model's are often all equal)."""
+    import subprocess
+    import sys
+
+    import orbax.checkpoint as ocp
+
+    directory = R.MODELS_DIR / "smollm2-135m-instruct"
+    if not (directory / "fetch.json").exists():
+        pytest.skip(f"smollm2-135m-instruct not fetched: python scripts/fetch_models.py --model smollm2-135m-instruct --out {directory}")
+    workdir = tmp_path / "run"
+    args = ["--config=configs/real_cpu.py", f"--config.model.checkpoint={directory}", f"--workdir={workdir}",
+            f"--config.data.folders={shared_data / 'cranfield'}", "--config.data.validation_min=0", "--config.data.max_eval_tasks=2",
+            "--config.max_steps=2", "--config.global_batch_size=2", "--config.rollout.group_size=2",
+            "--config.rollout_max_concurrency=4", "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
+            "--config.rollout.max_len=1024", "--config.rl.entropy_coef=0.01", "--config.optim.learning_rate=1e-4",
+            "--config.checkpoint.every_steps=1", "--config.search.cache_dir=", "--config.log.progress=False"]
+    done = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:  # the sampler's (behaviour) and the update's recomputed log-probs of the same tokens
+        assert s["train/behav_logp_max_abs_dev"] <= 1e-3, s["train/behav_logp_max_abs_dev"]
+        assert s["train/grad_norm"] > 0
+    state = ocp.CheckpointManager(workdir.absolute() / "checkpoints").restore(
+        2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore()))["state"]
+    _, start = load_hf_checkpoint(directory)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"])
+    assert max(jax.tree.leaves(moved)) > 1e-5
