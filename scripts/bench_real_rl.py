@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import resource
 import signal
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def main() -> None:
         print(f"| {metric} | {before[metric]:.4f} | {after[metric]:.4f} | {after[metric] - before[metric]:+.4f} |")
     print(f"| failures by reason | {before['failure_rate_by_reason']} | {after['failure_rate_by_reason']} | |")
     print(f"| tool calls / episode | {before['tool_calls_per_episode']} | {after['tool_calls_per_episode']} | |")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB, the largest child
+    print(f"peak resident memory of a run: {peak:.2f} GiB")
     rewards = [s["reward/mean"] for s in steps]
     print(f"training reward by step: {' '.join(f'{r:.3f}' for r in rewards)}")
 
