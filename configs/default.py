@@ -48,7 +48,7 @@ def get_config():
     c.data.folders = ""  # comma-separated BEIR folders, e.g. "../shared/data/scifact,../shared/data/cranfield"
     c.data.weights = ""  # comma-separated mixture weights (default: proportional to size)
     c.data.validation_fraction = 0.05
-    c.data.validation_min = 0  # at least this many held-out tasks per dataset (all of a smaller one)
+    c.data.validation_min = 0  # at least this many held-out tasks per dataset (all but one of a smaller one)
     c.data.max_eval_tasks = 0  # 0: all validation tasks
 
     c.search = config_dict.ConfigDict()

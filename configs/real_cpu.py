@@ -26,7 +26,7 @@ def get_config():
     c.model.remat = True  # the update keeps one layer's activations at a time
     c.data.synthetic = False
     c.data.folders = "../shared/data/cranfield"
-    c.data.validation_min = 50  # held-out queries per collection (all of a smaller one)
+    c.data.validation_min = 50  # held-out queries per collection (all but one of a smaller one)
     c.search.encoder = "tfidf"
     c.search.tfidf_dim = 128
     c.search.top_k = 3

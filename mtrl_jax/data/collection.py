@@ -201,12 +201,12 @@ def split(tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtr
           minimum: int = 0) -> tuple[list[Task], list[Task]]:
     """Deterministic train/validation split by a hash of ``task_id`` (stable when tasks are
     added or reordered); at least one validation task when there are two or more tasks, and at
-    least ``minimum`` (or all of them, when there are fewer)."""
+    least ``minimum`` (all but one of them, when there are fewer: one stays for training)."""
     def bucket(t):
         return int(hashlib.sha256(f"{salt}:{t.task_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
     ranked = sorted(tasks, key=bucket)
-    n_val = max(1 if len(tasks) > 1 else 0, round(validation_fraction * len(tasks)), min(minimum, len(tasks)))
+    n_val = max(1 if len(tasks) > 1 else 0, round(validation_fraction * len(tasks)), min(minimum, len(tasks) - 1))
     val_ids = {t.task_id for t in ranked[:n_val]}
     return [t for t in tasks if t.task_id not in val_ids], [t for t in tasks if t.task_id in val_ids]
 
