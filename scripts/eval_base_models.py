@@ -73,7 +73,8 @@ def main() -> None:
             start = time.perf_counter()
             cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/real_cpu.py", f"--out={out}",
                    f"--config.model.checkpoint={directory}", f"--config.data.folders={args.data / c}",
-                   f"--config.data.validation_min={args.queries}", *[f"--config.{kv}" for kv in args.set]]
+                   f"--config.data.validation_min={args.queries}", "--config.global_batch_size=1",  # no training here
+                   *[f"--config.{kv}" for kv in args.set]]
             subprocess.run(cmd, cwd=REPO, check=True)
             metrics = json.loads((out / "eval.json").read_text())[c]
             metrics["wall_s"] = time.perf_counter() - start
