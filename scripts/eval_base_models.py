@@ -37,7 +37,7 @@ def baselines(folder: pathlib.Path, minimum: int, tfidf_dim: int) -> dict:
     _, held_out = split(collection.tasks, 0.05, minimum=minimum)  # data.validation_fraction's default, as in the runs
     results = evaluate_retrieval(dataclasses.replace(collection, tasks=held_out), ("bm25", "dense", "fusion"),
                                  SearchSettings(tfidf_dim=tfidf_dim))
-    return {tool: r["ndcg@10"] for tool, r in results.items()}
+    return {"queries": len(held_out), **{tool: r["ndcg@10"] for tool, r in results.items()}}
 
 
 def main() -> None:
@@ -85,8 +85,10 @@ def main() -> None:
     lines = ["| collection | model / baseline | queries | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |",
              "|---|---|---|---|---|---|---|"]
     for c in collections:
-        for tool, value in results["baselines"][c].items():
-            lines.append(f"| {c} | {tool} (single search) | {args.queries} | {value:.4f} | - | - | - |")
+        scores = dict(results["baselines"][c])
+        queries = scores.pop("queries", args.queries)
+        for tool, value in scores.items():
+            lines.append(f"| {c} | {tool} (single search) | {queries} | {value:.4f} | - | - | - |")
         for model in [m for m in results if m != "baselines" and c in results[m]]:
             m = results[model][c]
             reasons = ", ".join(f"{r} {v:.2f}" for r, v in m["failure_rate_by_reason"].items())
