@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import re
 from typing import NamedTuple, Optional, Sequence
 
@@ -343,8 +344,6 @@ class TemplateChat(ChatFormat):
 
     @classmethod
     def from_checkpoint(cls, directory: os.PathLike) -> "TemplateChat":
-        import pathlib
-
         directory = pathlib.Path(directory)
         config_file = directory / "tokenizer_config.json"
         if not config_file.exists():

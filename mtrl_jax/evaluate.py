@@ -50,6 +50,14 @@ def comparison_table(base: dict, tuned: dict, base_label: str = "base", tuned_la
     return "\n".join(lines) + "\n"
 
 
+def eval_rows(components, samples: int = 1) -> tuple[int, int]:
+    """(episodes this process runs at once in an evaluation: its share of the largest dataset's
+    held-out tasks x ``samples``; the devices the generation rows are split over), for ``fitted_slots``."""
+    largest = max([sum(t.corpus == name for t in components.val_tasks) for name in components.collections] or [1])
+    mesh = components.rollout_mesh
+    return -(-largest * samples // jax.process_count()), mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def run_episodes(collector: Collector, tasks: Sequence, key: jax.Array, samples: int = 1) -> list:
     """``samples`` episodes of each task (consecutive), episode ``i * samples + s`` with the key
     ``fold_in(key, i * samples + s)``; trajectories in that order. With several processes each runs
@@ -74,10 +82,7 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
         params = components.params
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
-    rows = components.rollout_mesh.shape["data"] * components.rollout_mesh.shape["fsdp"]
-    episodes = -(-max([sum(t.corpus == n for t in components.val_tasks) for n in components.collections] or [1]) * samples
-                 // jax.process_count())
-    collector_cfg = dataclasses.replace(fitted_slots(components.collector, episodes, rows), temperature=temperature,
+    collector_cfg = dataclasses.replace(fitted_slots(components.collector, *eval_rows(components, samples)), temperature=temperature,
                                         tool_workers=0)  # deterministic; no more rows than episodes
     collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg,
                           PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0), components.rollout_mesh)

@@ -26,7 +26,7 @@ from mtrl_jax import distributed
 from mtrl_jax import metrics as M
 from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
-from mtrl_jax.evaluate import run_episodes
+from mtrl_jax.evaluate import eval_rows, run_episodes
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
@@ -85,9 +85,8 @@ class Trainer:
         self.published = PublishedParams(None, 0)
         self.publish(self.state.params, 0)
         # never more rows (each a max_len KV cache) than this process's episodes of a step / of an evaluation
-        rows, processes = c.rollout_mesh.shape["data"] * c.rollout_mesh.shape["fsdp"], jax.process_count()
-        step_episodes = -(-c.run.global_batch_size * c.run.group_size // processes)
-        eval_episodes = -(-max([sum(t.corpus == n for t in c.val_tasks) for n in c.collections] or [1]) // processes)
+        eval_episodes, rows = eval_rows(c)
+        step_episodes = -(-c.run.global_batch_size * c.run.group_size // jax.process_count())
         self.collector = Collector(c.model_cfg, c.chat, c.env, fitted_slots(c.collector, step_episodes, rows), self.published,
                                    c.rollout_mesh)
         eval_cfg = dataclasses.replace(fitted_slots(c.collector, eval_episodes, rows), temperature=max(c.run.eval_temperature, 0.0))
