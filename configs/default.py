@@ -99,6 +99,12 @@ def get_config():
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
     c.rl.length_bucket = 64
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
+    # dynamic sampling (DAPO): drop groups whose rewards are all equal (no group-relative signal); with
+    # filter_max_extra_groups > 0, first generate up to that many extra groups (random training tasks)
+    # to refill the step's global_batch_size informative groups
+    c.rl.filter_groups = False
+    c.rl.filter_max_extra_groups = 0
+    c.rl.truncation = "penalty"  # failed episodes (-1): "penalty" trains on them, "mask" gives their tokens no gradient
     c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
 
     c.optim = config_dict.ConfigDict()
@@ -117,6 +123,9 @@ def get_config():
     c.warmup.teacher_tools = "vector_search:3,bm25_search:1"
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
     c.warmup.teacher_top_k = "1:3,2:1,3:1,5:1"
+    # probability of a second search on an identifier copied from the first's results (one drawn at
+    # random among those shown), whatever the question: RL has to learn which questions need it
+    c.warmup.teacher_hop = 0.25
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -1,8 +1,8 @@
 """The evaluation job: a trained work directory (or the base policy) on the held-out tasks of every
 dataset, built from ``setup`` and ``checkpoint`` (no training run, no optimizer state in memory).
 
-Writes per dataset: nDCG@10 (failures 0), failure rate and by reason, mean turns, tool calls per
-episode, pass@k / max@k with several samples (``mtrl_jax.metrics``), a TREC run of the first sample
+Writes per dataset, and per task type within it: nDCG@10 (failures 0), failure rate and by reason,
+mean turns, tool calls per episode, pass@k / max@k with several samples (``mtrl_jax.metrics``), a TREC run of the first sample
 and the trajectories; ``--compare`` adds a base -> fine-tuned table.
 """
 
@@ -25,15 +25,19 @@ from mtrl_jax.setup import build
 
 
 def markdown_table(results: dict, k: int | None = None) -> str:
-    """One row per dataset: the headline metrics of ``results`` ({dataset: summarize(...)})."""
+    """One row per dataset, the headline metrics of ``results`` ({dataset: summarize(...)}), then one
+    per task type of a dataset whose tasks have types of their own."""
     cols = ["queries", "ndcg@10", "failure_rate", "mean_turns"] + ([f"pass@{k}", f"max@{k}"] if k and k > 1 else [])
     lines = ["| dataset | " + " | ".join(cols) + " | failures by reason | tool calls / episode |",
              "|---|" + "---|" * (len(cols) + 2)]
     for name, m in results.items():
-        cells = [f"{m[c]}" if c == "queries" else f"{m[c]:.4f}" for c in cols]
-        reasons = ", ".join(f"{r} {v:.3f}" for r, v in m["failure_rate_by_reason"].items()) or "-"
-        tools = ", ".join(f"{t} {v:.2f}" for t, v in m["tool_calls_per_episode"].items()) or "-"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {reasons} | {tools} |")
+        kinds = m.get("by_type", {})
+        rows = [(name, m)] + ([(f"{name} · {kind}", v) for kind, v in kinds.items()] if len(kinds) > 1 or name not in kinds else [])
+        for label, row in rows:
+            cells = [f"{row[c]}" if c == "queries" else f"{row[c]:.4f}" for c in cols]
+            reasons = ", ".join(f"{r} {v:.3f}" for r, v in row["failure_rate_by_reason"].items()) or "-"
+            tools = ", ".join(f"{t} {v:.2f}" for t, v in row["tool_calls_per_episode"].items()) or "-"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {reasons} | {tools} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,10 +1,12 @@
 """Metrics over trajectories and where they are written.
 
 ``summarize``: nDCG@10 with failures counted as 0 (as published MTRL results do); failure rate
-overall and by reason; mean turns; tool calls and tool errors per episode; pass@k at a threshold
+overall and by reason; mean turns; tool calls and tool errors per episode; the same per task type; pass@k at a threshold
 ``tau`` on nDCG with the unbiased estimator ``1 - C(n-c, k) / C(n, k)``; max@k, the expected best
 nDCG of k samples, exactly from the sorted samples with the subset-max weights of ALGORITHMS.md.
 
+``type_metrics``: an RL step's per-type training diagnostics (reward, nDCG@10, failures, turns,
+tool calls, the share of all-equal groups, the mean absolute advantage).
 ``MetricsLog`` writes the scalars of each RL step to TensorBoard and ``metrics.jsonl``;
 ``write_trajectories`` writes one JSON record per trajectory.
 """
@@ -44,8 +46,25 @@ def trajectory_score(traj) -> float:
     return float(traj.reward) if traj.status == "ok" else 0.0
 
 
-def summarize(trajectories: Sequence, samples_per_task: int = 1, k: int | None = None, tau: float = 0.5) -> dict:
-    """Metrics of ``trajectories`` laid out as consecutive groups of ``samples_per_task`` per task."""
+def summarize(trajectories: Sequence, samples_per_task: int = 1, k: int | None = None, tau: float = 0.5,
+              by_type: bool = True) -> dict:
+    """Metrics of ``trajectories`` laid out as consecutive groups of ``samples_per_task`` per task;
+    with ``by_type``, the same metrics of each task type (``Trajectory.task_type``) under ``"by_type"``."""
+    out = _summarize(trajectories, samples_per_task, k, tau)
+    if by_type:
+        out["by_type"] = {kind: _summarize(subset, samples_per_task, k, tau) for kind, subset in split_by_type(trajectories).items()}
+    return out
+
+
+def split_by_type(trajectories: Sequence) -> dict:
+    """``{type: [trajectories]}`` (types sorted, order within a type kept)."""
+    out: dict = {}
+    for t in trajectories:
+        out.setdefault(t.task_type, []).append(t)
+    return dict(sorted(out.items()))
+
+
+def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau: float) -> dict:
     n = len(trajectories)
     if n == 0:
         raise ValueError("no trajectories to summarize")
@@ -117,7 +136,7 @@ class CompileCounter:
 
 def rollout_metrics(trajectories: Sequence) -> dict:
     """The scalars logged for the trajectories of one RL step."""
-    s = summarize(trajectories)
+    s = summarize(trajectories, by_type=False)
     out = {"reward/mean": float(np.mean([t.reward for t in trajectories])), "reward/ndcg@10": s["ndcg@10"],
            "episodes/failure_rate": s["failure_rate"], "episodes/mean_turns": s["mean_turns"],
            "episodes/tool_errors_per_episode": s["tool_errors_per_episode"],
@@ -125,6 +144,37 @@ def rollout_metrics(trajectories: Sequence) -> dict:
     out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
     out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_episode"].items()})
     return out
+
+
+def type_metrics(groups: Sequence[Sequence]) -> dict:
+    """Per task type, the training diagnostics of one RL step's groups (each group one task):
+    ``by_type/<type>/{reward_mean, ndcg@10, failure_rate, mean_turns, tool_calls/<tool>,
+    all_equal_groups, adv_abs_mean}``. ``all_equal_groups``: the share of the type's groups whose
+    rewards are all equal (no GRPO signal); ``adv_abs_mean``: the mean absolute advantage of the
+    type's trajectories that an update used (``Trajectory.advantage``; absent before any has)."""
+    by_kind: dict = {}
+    for group in groups:
+        by_kind.setdefault(group[0].task_type, []).append(group)
+    out = {}
+    for kind, kind_groups in sorted(by_kind.items()):
+        trajectories = [t for g in kind_groups for t in g]
+        s = summarize(trajectories, by_type=False)
+        prefix = f"by_type/{kind}/"
+        out[prefix + "reward_mean"] = float(np.mean([t.reward for t in trajectories]))
+        out[prefix + "ndcg@10"] = s["ndcg@10"]
+        out[prefix + "failure_rate"] = s["failure_rate"]
+        out[prefix + "mean_turns"] = s["mean_turns"]
+        out.update({f"{prefix}tool_calls/{name}": v for name, v in s["tool_calls_per_episode"].items()})
+        out[prefix + "all_equal_groups"] = float(np.mean([all_equal(g) for g in kind_groups]))
+        advantages = [abs(t.advantage) for t in trajectories if t.advantage is not None]
+        if advantages:
+            out[prefix + "adv_abs_mean"] = float(np.mean(advantages))
+    return out
+
+
+def all_equal(group: Sequence) -> bool:
+    """Whether every trajectory of ``group`` has the same reward (a group with no GRPO signal)."""
+    return len({float(t.reward) for t in group}) == 1
 
 
 def flatten(d: dict, prefix: str) -> dict:
@@ -139,9 +189,14 @@ def flatten(d: dict, prefix: str) -> dict:
 
 
 def headline(label: str, m: dict) -> str:
-    """One line of validation metrics, as the run prints them."""
-    return (f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
+    """Validation metrics as the run prints them: one line, and one per task type when there are several."""
+    line = (f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
             f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}")
+    kinds = m.get("by_type", {})
+    if len(kinds) > 1:
+        line += "".join(f"\n    {kind}: nDCG@10 {v['ndcg@10']:.4f}, failure rate {v['failure_rate']:.3f}, mean turns "
+                        f"{v['mean_turns']:.2f}, queries {v['queries']}" for kind, v in kinds.items())
+    return line
 
 
 def write_trajectories(path: pathlib.Path, trajectories: Sequence, step: Optional[int] = None) -> None:

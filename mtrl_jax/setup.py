@@ -28,6 +28,7 @@ from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
+from mtrl_jax.rollout.dynamic_sampling import TRUNCATION_MODES
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
@@ -57,6 +58,9 @@ class RunSettings:
     log_trajectories: bool
     log_progress: bool
     max_nonfinite_steps: int  # RL steps in a row with a skipped (non-finite) optimizer step before the run stops
+    filter_groups: bool = False  # drop groups whose rewards are all equal (rollout.dynamic_sampling)
+    filter_max_extra_groups: int = 0  # with filter_groups: extra groups a step may generate to refill its batch
+    truncation: str = "penalty"  # failed episodes: "penalty" (trained with reward -1) or "mask" (no gradient)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,7 @@ class WarmupSettings:
     tool_probs: tuple[float, ...]  # the scripted teacher's tool choice (warmup.teacher_tools)
     top_ks: tuple[Optional[int], ...]  # and its number of results (warmup.teacher_top_k)
     top_k_probs: tuple[float, ...]
+    hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +279,12 @@ def _run_settings(config, rows_divisor: int) -> RunSettings:
         raise ValueError(f"optim.learning_rate must be > 0, got {config.optim.learning_rate}")
     if config.rl.max_nonfinite_steps < 1:
         raise ValueError(f"rl.max_nonfinite_steps must be >= 1, got {config.rl.max_nonfinite_steps}")
+    if config.rl.filter_max_extra_groups < 0:
+        raise ValueError(f"rl.filter_max_extra_groups must be >= 0, got {config.rl.filter_max_extra_groups}")
+    if config.rl.filter_max_extra_groups and not config.rl.filter_groups:
+        raise ValueError("rl.filter_max_extra_groups > 0 refills the groups rl.filter_groups drops: set rl.filter_groups=True")
+    if config.rl.truncation not in TRUNCATION_MODES:
+        raise ValueError(f"rl.truncation must be one of {TRUNCATION_MODES}, got {config.rl.truncation!r}")
     if not 0 < config.data.validation_fraction < 1:
         raise ValueError(f"data.validation_fraction must be in (0, 1), got {config.data.validation_fraction}")
     rows = config.global_batch_size * config.rollout.group_size
@@ -286,7 +297,8 @@ def _run_settings(config, rows_divisor: int) -> RunSettings:
         batch_length=bucket(config.rollout.max_len, config.rl.length_bucket), checkpoint_every=config.checkpoint.every_steps,
         checkpoint_keep=config.checkpoint.keep, eval_every=config.eval.every_steps,
         eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress,
-        max_nonfinite_steps=config.rl.max_nonfinite_steps)
+        max_nonfinite_steps=config.rl.max_nonfinite_steps, filter_groups=config.rl.filter_groups,
+        filter_max_extra_groups=config.rl.filter_max_extra_groups, truncation=config.rl.truncation)
 
 
 def _warmup_settings(config) -> Optional[WarmupSettings]:
@@ -295,9 +307,11 @@ def _warmup_settings(config) -> Optional[WarmupSettings]:
         return None
     tools = tuple(csv(config.search.tools))
     top_ks, top_k_probs = parse_top_k_weights(w.teacher_top_k, SearchSettings.max_top_k)
+    if not 0.0 <= w.teacher_hop <= 1.0:
+        raise ValueError(f"warmup.teacher_hop must be a probability in [0, 1], got {w.teacher_hop}")
     return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
                           tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
-                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()))
+                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop)
 
 
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtrl_jax import distributed
 from mtrl_jax import metrics as M
@@ -29,6 +30,7 @@ from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import eval_rows, run_episodes
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
+from mtrl_jax.rollout.dynamic_sampling import no_gradient_rows, refill, split_informative
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
 from mtrl_jax.setup import Components, build
 from mtrl_jax.warmup import WarmupProgress, warm_up, warmup_optimizer
@@ -109,15 +111,38 @@ class Trainer:
         base = jax.random.fold_in(jax.random.PRNGKey(self.c.run.seed + 1), step)
         return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
 
+    def extra_requests(self, step: int, round_: int, groups: int) -> list[EpisodeRequest]:
+        """Dynamic sampling's refill: ``groups`` more groups for RL step ``step`` (round ``round_``), of
+        training tasks drawn at random, the same on every run of that step (and on each process its
+        own); their group ids come after the step's ``global_batch_size``."""
+        G, P = self.c.run.group_size, self.c.run.global_batch_size
+        rng = np.random.default_rng([self.c.run.seed, step, round_, jax.process_index()])
+        tasks = [self.c.train_tasks[i] for i in rng.choice(len(self.c.train_tasks), size=groups)]
+        first = P * (1 + round_ * jax.process_count() + jax.process_index())  # unique, and >= P
+        base = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.c.run.seed + 4), step), round_)
+        base = jax.random.fold_in(base, jax.process_index())
+        return [EpisodeRequest(task, first + p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
+
     def collect(self, step: int) -> tuple[list, dict]:
-        """This process's share of RL step ``step``'s groups (all of them with one process) and where
-        the time went (``collect_s`` in all; the collector's extend, decode and tool waits); may run on
-        the rollout thread, so it talks to no other process (``gather`` does, on the main thread)."""
+        """This process's share of RL step ``step``'s groups (all of them with one process), refilled by
+        dynamic sampling when it is on, and where the time went (``collect_s`` in all; the collector's
+        extend, decode and tool waits); may run on the rollout thread, so it talks to no other process
+        (``gather`` does, on the main thread)."""
         start = time.perf_counter()
-        G = self.c.run.group_size
+        G, run = self.c.run.group_size, self.c.run
         trajectories = self.collector.run(distributed.share(self.requests(step), G))
-        timings = {**self.collector.timings, "collect_s": time.perf_counter() - start}
-        return [trajectories[i:i + G] for i in range(0, len(trajectories), G)], timings
+        timings = dict(self.collector.timings)
+        groups = [trajectories[i:i + G] for i in range(0, len(trajectories), G)]
+        if run.filter_groups and run.filter_max_extra_groups:
+            def generate(n, round_):
+                more = self.collector.run(self.extra_requests(step, round_, n))
+                for k, v in self.collector.timings.items():
+                    timings[k] = timings.get(k, 0) + v
+                return [more[i:i + G] for i in range(0, len(more), G)]
+
+            cap = -(-run.filter_max_extra_groups // jax.process_count())  # each process refills its share
+            groups, _ = refill(groups, len(groups), generate, cap)
+        return groups, {**timings, "collect_s": time.perf_counter() - start}
 
     @staticmethod
     def gather(groups: list, timings: dict) -> tuple[list, dict]:
@@ -133,28 +158,52 @@ class Trainer:
         return {**M.summarize(trajectories), "seconds": time.perf_counter() - start}
 
     def train_on(self, step: int, groups: list) -> dict:
-        """One update on the fresh groups of RL step ``step``; returns the step's metrics."""
-        fresh, stale = filter_stale(groups, step, self.c.run.max_staleness)
+        """One update on the fresh groups of RL step ``step``, informative ones only under dynamic
+        sampling; returns the step's metrics. Every collected trajectory is written to the step's
+        trajectory file, those the update used with their advantage."""
+        run = self.c.run
+        fresh, stale = filter_stale(groups, step, run.max_staleness)
         lag = [step - t.min_version() for g in fresh for t in g if t.min_version() is not None]
         self.record.dropped_groups += len(stale)
         self.record.max_staleness_seen = max([self.record.max_staleness_seen] + lag)
         trajectories = [t for g in fresh for t in g]
-        start = time.perf_counter()
-        if self.c.run.log_trajectories and distributed.is_primary():
-            M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", trajectories, step + 1)
         metrics = {**M.rollout_metrics(trajectories), "staleness/dropped_groups": len(stale),
-                   "staleness/mean": sum(lag) / len(lag) if lag else 0.0, "time/logging_s": time.perf_counter() - start}
-        kept, left_out = trainable_groups(fresh, self.c.updater.config.rows_per_micro_batch_divisor)
+                   "staleness/mean": sum(lag) / len(lag) if lag else 0.0}
+        trainable = fresh
+        if run.filter_groups:
+            trainable, all_equal = split_informative(fresh)
+            metrics["filter/dropped_groups"] = len(all_equal)
+            metrics["filter/extra_episodes"] = sum(len(g) for g in groups if g[0].group_id >= run.global_batch_size)
+            metrics["filter/informative_groups"] = len(trainable)
+            trainable = trainable[:run.global_batch_size]
+        kept, left_out = trainable_groups(trainable, self.c.updater.config.rows_per_micro_batch_divisor)
         metrics["batch/left_out_groups"] = len(left_out)
         if not kept:
-            log.warning("RL step %d: no trainable groups (%d stale, %d left out)", step + 1, len(stale), len(left_out))
-            return metrics
-        batch = make_batch([t for g in kept for t in g], self.c.run.group_size, pad_id=self.c.chat.pad_id,
-                           length=self.c.run.batch_length)
+            log.warning("RL step %d: no trainable groups (%d stale, %d after filtering, %d left out)", step + 1, len(stale),
+                        len(trainable), len(left_out))
+        else:
+            metrics.update(self._update(step, kept))
+        metrics.update(M.type_metrics(fresh))
+        start = time.perf_counter()
+        if run.log_trajectories and distributed.is_primary():
+            M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", [t for g in groups for t in g], step + 1)
+        metrics["time/logging_s"] = time.perf_counter() - start
+        return metrics
+
+    def _update(self, step: int, groups: list) -> dict:
+        """The update on ``groups`` (rows whose tokens get no gradient under ``rl.truncation="mask"``
+        zeroed in the loss mask); each trajectory's advantage is set from the update's."""
+        trajectories = [t for g in groups for t in g]
+        batch = make_batch(trajectories, self.c.run.group_size, pad_id=self.c.chat.pad_id, length=self.c.run.batch_length)
+        masked = no_gradient_rows(trajectories, self.c.run.truncation)
+        batch.loss_mask[masked] = 0.0
+        metrics = {"batch/no_gradient_episodes": len(masked)} if self.c.run.truncation != "penalty" else {}
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
         metrics["time/update_s"] = time.perf_counter() - start  # old / reference log-probs, loss, backward, optimizer
+        for t, advantage in zip(trajectories, update_metrics.pop("advantages")):
+            t.advantage = float(advantage)
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["batch/real_token_fraction"] = metrics["train/real_token_fraction"]  # of the tokens the update computed
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / metrics["time/update_s"]

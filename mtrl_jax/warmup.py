@@ -2,10 +2,12 @@
 demonstrations of the tool protocol.
 
 A real run starts from an instruction-tuned checkpoint that already knows the protocol; this
-stands in for that. The scripted teacher calls a *random* search tool once with the question
-verbatim, asking for a *random* number of results, then answers without ids (so the environment's
-answer fallback ranks the results). It never learns which tool suits which question, how many
-results pay, or when a second search helps: RL has to.
+stands in for that. The scripted teacher calls a *random* search tool with the question verbatim,
+asking for a *random* number of results; with probability ``hop`` it then makes a second search on
+an identifier copied from the first search's results, chosen at random among those shown; then it
+answers without ids (so the environment's answer fallback ranks the results). It never learns which
+tool suits which question, how many results pay, which questions need the second search or which
+identifier to follow: RL has to.
 
 A tiny model trained on a few hundred questions memorises their words rather than learning to copy
 them; ``augment_question`` adds copies of each question whose identifier-like words (those with a
@@ -16,6 +18,7 @@ question words, so copying is what generalises.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -130,28 +133,81 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
                                 qrels={}) for i in range(copies)]
 
 
-def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None,
-                  top_ks: Sequence[Optional[int]] = (None,), top_k_probs: Optional[np.ndarray] = None):
-    """A scripted policy: one search with the question verbatim, then an empty answer. The tool is
-    drawn from ``probs`` (uniform by default) and the number of results from ``top_ks`` with
-    ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the question."""
-    tool = tool_names[rng.choice(len(tool_names), p=probs)]
-    top_k = top_ks[rng.choice(len(top_ks), p=top_k_probs)]
+_RESULT_LINE = re.compile(r"^\[\d+\] \S+ \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
+_PUNCTUATION = ".,;:!?'\"()[]|"
 
-    def policy(messages):
+
+def result_identifiers(tool_output: str, question: str) -> list[str]:
+    """The identifiers a search result shows: the distinct words with a digit in the results' titles
+    and texts (not their document ids), punctuation stripped, that are not words of ``question``;
+    in order of appearance."""
+    asked = {w.strip(_PUNCTUATION) for w in question.split()}
+    found = []
+    for line in tool_output.splitlines():
+        match = _RESULT_LINE.match(line)
+        if match is None:
+            continue
+        for word in match.group(1).split():
+            word = word.strip(_PUNCTUATION)
+            if _has_digit(word) and word not in asked and word not in found:
+                found.append(word)
+    return found
+
+
+class TeacherPolicy:
+    """The scripted teacher of one episode (see ``teacher_turns``): called with the messages so far,
+    returns the assistant's next turn."""
+
+    def __init__(self, render, first, second, pick: float):
+        self.render, self.first, self.second, self.pick = render, first, second, pick
+
+    @property
+    def hops(self) -> bool:
+        return self.second is not None
+
+    def without_hop(self) -> "TeacherPolicy":
+        """The same episode with no second search (when the hop's results overflow the context)."""
+        return TeacherPolicy(self.render, self.first, None, 0.0)
+
+    def __call__(self, messages) -> str:
         if messages[-1]["role"] == "user":
-            arguments = {"query": messages[-1]["content"]} | ({} if top_k is None else {"top_k": int(top_k)})
-            return render_tool_call(tool, arguments)
+            return self.render(self.first, messages[-1]["content"])
+        if self.second is not None and sum(m["role"] == "assistant" for m in messages) == 1:
+            question = next(m["content"] for m in messages if m["role"] == "user")
+            shown = result_identifiers("\n".join(m["content"] for m in messages if m["role"] == "tool"), question)
+            if shown:
+                return self.render(self.second, shown[int(self.pick * len(shown))])
         return render_answer([])
 
-    return policy
+
+def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None,
+                  top_ks: Sequence[Optional[int]] = (None,), top_k_probs: Optional[np.ndarray] = None,
+                  hop: float = 0.0) -> TeacherPolicy:
+    """A scripted policy: a search with the question verbatim; with probability ``hop`` a second
+    search on an identifier (``result_identifiers``) drawn uniformly from the first search's results
+    (none shown: no second search); then an empty answer. Each search's tool is drawn from ``probs``
+    (uniform by default) and its number of results from ``top_ks`` with ``top_k_probs`` (``None``:
+    no ``top_k`` argument), whatever the question. Every draw is made here, in a fixed order."""
+    def draw():
+        return tool_names[rng.choice(len(tool_names), p=probs)], top_ks[rng.choice(len(top_ks), p=top_k_probs)]
+
+    def render(tool_and_top_k, query):
+        tool, top_k = tool_and_top_k
+        return render_tool_call(tool, {"query": query} | ({} if top_k is None else {"top_k": int(top_k)}))
+
+    first = draw()
+    second = draw() if hop > 0 and rng.random() < hop else None
+    return TeacherPolicy(render, first, second, rng.random() if second is not None else 0.0)
 
 
 def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
     """Run the scripted ``policy`` through the episode driver and return the trajectory's
     ``(tokens, loss mask)``: exactly what the collector would have produced had the policy sampled
-    these turns."""
+    these turns. A teacher's hop whose results overflow the context is left out (the episode is
+    demonstrated without it)."""
     run = run_scripted(driver, task, policy)
+    if run.episode.status == "context_limit" and isinstance(policy, TeacherPolicy) and policy.hops:
+        run = run_scripted(driver, task, policy.without_hop())
     if run.episode.status != "ok":
         raise RuntimeError(f"scripted demonstration failed on {task.task_id}: {run.episode.status}")
     return run.trajectory.tokens, run.trajectory.loss_mask
@@ -257,7 +313,7 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     demos = []
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs)
+            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop)
             demos.append(demonstration_tokens(driver, variant, policy))
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))

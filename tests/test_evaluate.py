@@ -17,8 +17,8 @@ from mtrl_jax.rollout.trajectory import Trajectory
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _traj(reward, status="ok", turns=2, calls=None):
-    t = Trajectory("t", 0, 0)
+def _traj(reward, status="ok", turns=2, calls=None, kind=""):
+    t = Trajectory("t", 0, 0, kind)
     t.reward, t.status, t.turns = reward, status, [{}] * turns
     t.counters = {f"tool_calls/{k}": v for k, v in (calls or {}).items()}
     return t
@@ -39,6 +39,17 @@ def test_summarize_hand_computed():
     assert m["pass@2"] == pytest.approx(2 / 3)
     # max@2: query 1 scores {0.9, 0, 0.3}: pairs' maxima 0.9, 0.9, 0.3 -> 0.7; query 2 {0, 0, 0.6}: 0, 0.6, 0.6 -> 0.4
     assert m["max@2"] == pytest.approx((0.7 + 0.4) / 2)
+
+
+def test_summarize_breaks_the_metrics_down_by_task_type():
+    trajs = [_traj(0.9, kind="c/a"), _traj(0.3, kind="c/a"), _traj(-1.0, "max_turns", 4, kind="c/b"), _traj(0.6, turns=3, kind="c/b"),
+             _traj(0.2, kind="c/a"), _traj(0.4, kind="c/a")]
+    m = summarize(trajs, samples_per_task=2, k=2)
+    assert set(m["by_type"]) == {"c/a", "c/b"}
+    a, b = m["by_type"]["c/a"], m["by_type"]["c/b"]
+    assert a["queries"] == 2 and a["ndcg@10"] == pytest.approx(0.45) and a["failure_rate"] == 0 and a["pass@2"] == pytest.approx(0.5)
+    assert b["queries"] == 1 and b["ndcg@10"] == pytest.approx(0.3) and b["failure_rate_by_reason"] == {"max_turns": 0.5}
+    assert b["mean_turns"] == pytest.approx(3.5) and "by_type" not in a
 
 
 def test_pass_and_max_at_k_match_enumeration():
@@ -87,6 +98,9 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     for key in ("queries", "ndcg@10", "failure_rate", "failure_rate_by_reason", "mean_turns", "tool_calls_per_episode", "pass@2", "max@2"):
         assert key in m
     assert m["queries"] == 4 and "| synthetic |" in (tmp_path / "a/eval.md").read_text()
+    assert sum(v["queries"] for v in m["by_type"].values()) == 4 and all(k.startswith("synthetic/") for k in m["by_type"])
+    if len(m["by_type"]) > 1:
+        assert "| synthetic · synthetic/" in (tmp_path / "a/eval.md").read_text()
     compare = (tmp_path / "b/compare.md").read_text()
     assert "fine-tuned" in out
     # identical runs: every metric row shows no change ("+0.0%", or "n/a" where the base value is 0)

@@ -130,6 +130,23 @@ def test_task_jsonl_round_trip_and_validation(tmp_path, synthetic):
         col.load_tasks(path)
 
 
+def test_every_task_carries_a_type(tmp_path, synthetic):
+    assert {t.type for t in synthetic.tasks} == {"synthetic/lookup", "synthetic/describe", "synthetic/multihop"}
+    queries = ['{"_id": "2hop__1_2", "text": "a?"}', '{"_id": "3hop1__3_4_5", "text": "b?"}', '{"_id": "q3", "text": "c?"}',
+               '{"_id": "q4", "text": "d?", "type": "hard"}']
+    qrels = ["query-id\tcorpus-id\tscore"] + [f"{q}\td1\t1" for q in ("2hop__1_2", "3hop1__3_4_5", "q3", "q4")]
+    c = col.load_beir(_beir(tmp_path, queries=queries, qrels=qrels), name="musique")
+    assert [t.type for t in c.tasks] == ["musique/2hop", "musique/3hop", "musique", "musique/hard"]
+    path = tmp_path / "tasks.jsonl"
+    _write(path, [json.dumps({"task_id": "t1", "query": "q", "qrels": {"d": 1}, "corpus": "mine", "type": "easy"}),
+                  json.dumps({"task_id": "t2", "query": "q", "qrels": {"d": 1}, "corpus": "mine"})])
+    assert [t.type for t in col.load_tasks(path)] == ["mine/easy", "mine"]
+    for bad in ('""', '"a/b"', "3"):
+        _write(path, ['{"task_id": "t1", "query": "q", "qrels": {"d": 1}, "corpus": "mine", "type": %s}' % bad])
+        with pytest.raises(DataError, match=r"tasks.jsonl:1: .*'type'"):
+            col.load_tasks(path)
+
+
 def test_validation_split_is_deterministic_and_stable(synthetic):
     train, val = col.split(synthetic.tasks)
     assert len(val) == round(0.05 * len(synthetic.tasks)) and not {t.task_id for t in train} & {t.task_id for t in val}

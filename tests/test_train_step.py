@@ -158,3 +158,29 @@ def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():
     assert float(metrics["first_minibatch_ratio_max_dev"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, params)
 
+
+
+def test_a_row_without_gradient_stays_in_the_baseline_but_its_tokens_do_not_count():
+    """rl.truncation="mask": a failed row's loss mask is zeroed. Its tokens then change nothing in the
+    update, while its reward still moves the other rows' group-relative advantages."""
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=1), optax.sgd(0.5))
+    state = updater.init_state(params, jax.random.PRNGKey(0))
+
+    def update(rewards, failed_tokens_seed):
+        batch = _batch(rewards)
+        other = _batch(rewards, seed=failed_tokens_seed)
+        tokens = np.array(batch.tokens)
+        tokens[3] = np.asarray(other.tokens)[3]  # the failed row's tokens
+        loss_mask = np.array(batch.loss_mask)
+        loss_mask[3] = 0.0
+        masked = batch.replace(tokens=tokens, loss_mask=loss_mask, group_size=4)  # one group
+        new_state, metrics = updater.update(state, masked)
+        return new_state.params, np.asarray(metrics["advantages"])
+
+    a, adv_a = update([1.0, 0.0, 0.5, -1.0], 5)
+    b, _ = update([1.0, 0.0, 0.5, -1.0], 6)
+    c, adv_c = update([1.0, 0.0, 0.5, 0.2], 5)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)  # its tokens: no effect
+    assert not np.allclose(adv_a[:3], adv_c[:3])  # its reward: in the baseline
+    assert max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c))) > 1e-6

@@ -64,6 +64,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     for phase in ("before", "after"):
         assert {"ndcg@10", "failure_rate", "mean_turns"} <= set(summary[phase])
+        by_type = summary[phase]["by_type"]  # the synthetic collection's query types
+        assert set(by_type) <= {"synthetic/lookup", "synthetic/describe", "synthetic/multihop"} and by_type
+        assert sum(v["queries"] for v in by_type.values()) == summary[phase]["queries"]
 
     proc = _run(tmp_path / "killed", *steps, wait=False)
     _wait_for_checkpoint(tmp_path / "killed", 1, proc)
@@ -83,6 +86,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "straight/trajectories/step_000002.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["param_versions"] == [1] for r in records if r["num_sampled_tokens"])
     assert {"text", "calls", "stop_reason", "latency_s"} <= set(records[0]["turns"][0])
+    for r in records:  # each record: its task type and question, its advantage, the grades of what it was shown
+        assert r["type"].startswith("synthetic/") and r["query"] and isinstance(r["advantage"], float)
+        shown = {d for turn in r["turns"] for call in turn["calls"] for d in call["doc_ids"]} | set(r["final_ranking"])
+        assert set(r["grades"]) == shown
     # the killed run's logs were cut back to the restored step: no step appears twice
     killed_steps = [json.loads(line)["step"] for line in (tmp_path / "killed/metrics.jsonl").read_text().splitlines()]
     assert killed_steps == [1, 2, 3], killed_steps
@@ -92,9 +99,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
                 "throughput/trained_tokens_per_s", "throughput/sampled_tokens_per_s"):
         assert key in metrics[-1], key
     assert list((tmp_path / "straight/tensorboard").glob("events.out.tfevents.*"))
+    kinds = {r["type"] for r in records}
+    for kind in kinds:  # per-type training diagnostics
+        for name in ("reward_mean", "ndcg@10", "failure_rate", "mean_turns", "all_equal_groups", "adv_abs_mean"):
+            assert f"by_type/{kind}/{name}" in metrics[-1], (kind, name)
     view = subprocess.run([sys.executable, "scripts/show_trajectories.py", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert view.returncode == 0 and "assistant:" in view.stdout and "reward" in view.stdout
+    assert view.returncode == 0 and "assistant:" in view.stdout and "advantage" in view.stdout
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.rollout.interfaces import EpisodeDriver
 from mtrl_jax.warmup import (augment_question, augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights,
-                             question_vocabulary, teacher_turns)
+                             question_vocabulary, result_identifiers, teacher_turns)
 
 TOOLS = ["bm25_search", "vector_search"]
 
@@ -127,6 +127,54 @@ def test_demonstration_masks_exactly_the_teacher_turns():
     assert len(runs) == 2
     assert runs[0].endswith("<|im_end|>") and '"query": "KX-4805 datasheet"' in runs[0]
     assert runs[1] == "<answer></answer><|im_end|>"
+
+
+def test_result_identifiers_are_the_shown_words_with_a_digit_not_in_the_question():
+    output = ("bm25_search results for 'component of project Falcon-12':\n"
+              "[1] d0007 | Project Falcon-12 | Key component: part KX-4821. Project Falcon-12 is a marine...\n"
+              "[2] d0123 | Project Falcon-45 | Key component: part BQ-1002, delivered...")
+    assert result_identifiers(output, "component of project Falcon-12") == ["KX-4821", "Falcon-45", "BQ-1002"]
+    assert result_identifiers("vector_search found no documents for 'x'.", "x") == []
+
+
+def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
+    tool_output = "bm25_search results for 'q':\n[1] d1 | Project A-1 | part KX-4821.\n[2] d2 | Project B-2 | part QQ-1111."
+    hops, queries = 0, set()
+    for i in range(2000):
+        policy = teacher_turns(np.random.default_rng(i), TOOLS, None, hop=0.3)
+        first = policy([{"role": "user", "content": "component of project A-1"}])
+        assert json.loads(first.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"] == "component of project A-1"
+        messages = [{"role": "user", "content": "component of project A-1"}, {"role": "assistant", "content": first},
+                    {"role": "tool", "content": tool_output}]
+        second = policy(messages)
+        if second.startswith("<tool_call>"):
+            hops += 1
+            queries.add(json.loads(second.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"])
+            third = policy(messages + [{"role": "assistant", "content": second}, {"role": "tool", "content": tool_output}])
+            assert third == "<answer></answer>"  # at most one hop
+        else:
+            assert second == "<answer></answer>" and not policy.hops
+    assert abs(hops / 2000 - 0.3) < 0.03
+    assert queries == {"KX-4821", "B-2", "QQ-1111"}  # any shown identifier, at random; never the question's
+    # no identifier shown: no hop
+    policy = next(p for p in (teacher_turns(np.random.default_rng(i), TOOLS, hop=1.0) for i in range(10)) if p.hops)
+    assert policy([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
+                   {"role": "tool", "content": "bm25_search found no documents for 'q'."}]) == "<answer></answer>"
+
+
+def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
+    docs = [Document(f"d{i}", f"part KX-48{i:02d}", f"KX-48{i:02d} pumps for " + "water " * 30) for i in range(20)]
+    task = Task("c/lookup-0", "pumps", {"d5": 2}, "c")
+    env = make_environment(Collection("c", docs, [task]), SearchSettings(tools=("bm25_search",), top_k=5, max_doc_chars=200),
+                           SearchEnvConfig(tool_prompt="compact"))
+    chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5, 400))
+    policy = teacher_turns(np.random.default_rng(0), ["bm25_search"], hop=1.0)
+    driver = EpisodeDriver(env, chat, 4096)
+    long_tokens, _ = demonstration_tokens(driver, task, policy)
+    assert chat.decode(long_tokens).count("assistant\n<tool_call>") == 2
+    short = EpisodeDriver(env, chat, len(long_tokens) - 20)
+    tokens, _ = demonstration_tokens(short, task, policy)
+    assert chat.decode(tokens).count("assistant\n<tool_call>") == 1
 
 
 @pytest.mark.slow

@@ -5,7 +5,12 @@ BEIR folder: ``corpus.jsonl`` (``{"_id", "title", "text"}``), ``queries.jsonl`` 
 
 Task JSONL (one task per line)::
 
-    {"task_id": "scifact/1", "query": "...", "qrels": {"doc-id": 2, ...}, "corpus": "scifact"}
+    {"task_id": "scifact/1", "query": "...", "qrels": {"doc-id": 2, ...}, "corpus": "scifact", "type": "hard"}
+
+Every task carries a *type*, the key of the per-type metrics: its dataset's name, plus
+``/<query type>`` where one is known: the optional ``type`` field of a task JSONL line or of a BEIR
+``queries.jsonl`` line, MuSiQue's hop count in its query ids (``2hop__...`` -> ``musique/2hop``), or
+the synthetic collection's query kind (``synthetic/lookup``).
 
 Every bad line is reported as ``file:line: reason``; nothing is dropped silently.
 """
@@ -17,6 +22,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 from typing import Iterable, Iterator, Optional
 
 
@@ -37,9 +43,36 @@ class Task:
     query: str
     qrels: dict  # doc id -> int grade
     corpus: str
+    type: str = ""  # "<dataset>" or "<dataset>/<query type>"; "" -> the dataset's name
+
+    def __post_init__(self):
+        if not self.type:
+            object.__setattr__(self, "type", self.corpus)
 
     def to_json(self) -> str:
-        return json.dumps({"task_id": self.task_id, "query": self.query, "qrels": self.qrels, "corpus": self.corpus})
+        record = {"task_id": self.task_id, "query": self.query, "qrels": self.qrels, "corpus": self.corpus}
+        if self.type != self.corpus:
+            record["type"] = self.type.removeprefix(f"{self.corpus}/")
+        return json.dumps(record)
+
+
+def task_type(dataset: str, query_type: Optional[str]) -> str:
+    """``"musique", "2hop"`` -> ``"musique/2hop"``; no query type -> the dataset's name."""
+    return f"{dataset}/{query_type}" if query_type else dataset
+
+
+_HOPS_ID = re.compile(r"^(\d+hop)\d*__")  # MuSiQue query ids: "2hop__...", "3hop1__...", "4hop2__..."
+
+
+def query_type_of(obj: dict, qid: str, where: str) -> Optional[str]:
+    """A BEIR query's type: its ``type`` field, else the hop count of a MuSiQue-style id, else none."""
+    if "type" in obj:
+        value = _field(obj, "type", str, where)
+        if not value.strip() or "/" in value:
+            raise DataError(f"{where}: 'type' must be a non-empty name without '/', got {value!r}")
+        return value
+    match = _HOPS_ID.match(qid)
+    return match.group(1) if match else None
 
 
 @dataclasses.dataclass
@@ -157,7 +190,7 @@ def load_beir(folder: os.PathLike, name: Optional[str] = None) -> Collection:
         if any(g > 0 for g in judged.values()):
             if not text.strip():
                 raise DataError(f"{where}: empty query text")
-            tasks.append(Task(f"{name}/{qid}", text, dict(judged), name))
+            tasks.append(Task(f"{name}/{qid}", text, dict(judged), name, task_type(name, query_type_of(obj, qid, where))))
     if not seen:
         raise DataError(f"{folder / 'queries.jsonl'}: no queries")
     if not tasks:
@@ -185,7 +218,8 @@ def load_tasks(path: os.PathLike) -> list[Task]:
                 raise DataError(f"{where}: qrels[{doc!r}] must be a non-negative integer, got {grade!r}")
         if not any(g > 0 for g in qrels.values()):
             raise DataError(f"{where}: no judgment with grade > 0 (nDCG undefined)")
-        tasks.append(Task(task_id, query, qrels, _field(obj, "corpus", str, where)))
+        corpus = _field(obj, "corpus", str, where)
+        tasks.append(Task(task_id, query, qrels, corpus, task_type(corpus, query_type_of(obj, "", where))))
     if not tasks:
         raise DataError(f"{path}: no tasks")
     return tasks

@@ -12,7 +12,8 @@ encoder, 32 dimensions) learns which words mean the same thing. Three query type
   that happen to use the same synonyms.
   Grade 2 for parts matching all three attributes, 1 for two of them (same domain and component).
 * ``multihop``: ``"component of project Falcon-12"``. The project document (grade 1) names the
-  part's identifier; a second, identifier search finds the part (grade 2).
+  part's identifier at the start of its text (so a result snippet shows it); a second, identifier
+  search finds the part (grade 2).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
                 break
         part = int(rng.integers(num_parts))
         _, ident, d, _, _ = parts[part]
-        text = (f"Project {pname} is a {DOMAINS[d][0][0]} programme. Its key component is part {ident}, "
+        # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead)
+        text = (f"Key component: part {ident}. Project {pname} is a {DOMAINS[d][0][0]} programme, "
                 f"delivered by the {LABS[rng.integers(len(LABS))]} team.")
         doc_id = f"d{len(docs):04d}"
         docs.append(Document(doc_id, f"Project {pname}", text))
@@ -106,7 +108,8 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
     for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
         doc_id, ident, *_ = parts[part]
         qrels = {doc_id: 2, **{m: 1 for m in mentions.get(ident, [])}}
-        tasks.append(Task(f"{name}/lookup-{i}", f"{ident} {['datasheet', 'details', 'specification'][i % 3]}", qrels, name))
+        tasks.append(Task(f"{name}/lookup-{i}", f"{ident} {['datasheet', 'details', 'specification'][i % 3]}", qrels, name,
+                          f"{name}/lookup"))
     for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
         _, _, d, c, p = parts[part]
         qrels = {}
@@ -114,11 +117,11 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
             if d2 == d and c2 == c:
                 qrels[doc_id] = 2 if p2 == p else 1
         query = f"{PROPERTIES[p][1 + i % 2]} {COMPONENTS[c][1 + (i // 2) % 2]} for {DOMAINS[d][0][1 + (i // 4) % 2]} use"
-        tasks.append(Task(f"{name}/describe-{i}", query, qrels, name))
+        tasks.append(Task(f"{name}/describe-{i}", query, qrels, name, f"{name}/describe"))
     for i, proj in enumerate(rng.choice(num_projects, size=min(queries_per_type, num_projects), replace=False)):
         doc_id, pname, part = projects[proj]
         qrels = {doc_id: 1, parts[part][0]: 2}
-        tasks.append(Task(f"{name}/multihop-{i}", f"component of project {pname}", qrels, name))
+        tasks.append(Task(f"{name}/multihop-{i}", f"component of project {pname}", qrels, name, f"{name}/multihop"))
     return Collection(name, docs, tasks)
 
 

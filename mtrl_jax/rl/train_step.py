@@ -163,7 +163,7 @@ def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, atten
 def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTransformation, state: TrainState,
                 batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
     """All optimizer steps for one batch of ``P x G`` trajectories (``batch``'s arrays ``[B, T]`` /
-    ``[B]``); returns the new state and device scalar metrics. Jit it with ``model_cfg``, ``cfg``,
+    ``[B]``); returns the new state and device metrics: scalars, and ``advantages [B]``. Jit it with ``model_cfg``, ``cfg``,
     ``tx`` and ``batch.group_size`` static (``Updater`` does)."""
     B = batch.tokens.shape[0]
     if B % cfg.rows_per_micro_batch_divisor:
@@ -256,6 +256,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
     metrics["behav_logp_max_abs_dev"] = jnp.max(jnp.abs(old_logp - batch.behav_logp) * loss_mask)
     metrics["advantage_mean"] = adv.mean()
     metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
+    metrics["advantages"] = adv  # [B]: each trajectory's advantage (the trainer writes it to its record)
     return TrainState(params, opt_state, step, rng), metrics
 
 

@@ -168,7 +168,7 @@ class EpisodeDriver:
         already ended (the prompt does not fit)."""
         episode, messages = self.env.reset(task)
         prompt = self.chat.prompt(messages)
-        run = EpisodeRun(episode, Trajectory(task.task_id, group_id, sample_index, prompt_len=len(prompt)), list(messages))
+        run = EpisodeRun(episode, Trajectory(task.task_id, group_id, sample_index, task.type, prompt_len=len(prompt)), list(messages))
         return run, self._append_block(run, prompt)
 
     def add_sampled(self, run: EpisodeRun, tokens: Sequence[int], logp: Sequence[float], version: int) -> None:
@@ -207,6 +207,9 @@ class EpisodeDriver:
         ep, traj = run.episode, run.trajectory
         traj.turns, traj.reward, traj.status = ep.turns, ep.reward, ep.status
         traj.final_ranking, traj.counters = list(ep.final_ranking or []), dict(ep.counters)
+        qrels = getattr(ep.task, "qrels", None) or {}
+        shown = [d for turn in ep.turns for call in turn.get("calls", []) for d in call.get("doc_ids", [])] + traj.final_ranking
+        traj.query, traj.grades = getattr(ep.task, "query", ""), {d: int(qrels.get(d, 0)) for d in shown}
         run.done = True
         return []
 
