@@ -126,6 +126,7 @@ def get_config():
     # probability of a second search on an identifier copied from the first's results (one drawn at
     # random among those shown), whatever the question: RL has to learn which questions need it
     c.warmup.teacher_hop = 0.25
+    c.warmup.teacher_hop_tools = "bm25_search:1"  # TOOL:WEIGHT,... the second search's tool ("": uniform)
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -74,6 +74,7 @@ class WarmupSettings:
     top_ks: tuple[Optional[int], ...]  # and its number of results (warmup.teacher_top_k)
     top_k_probs: tuple[float, ...]
     hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
+    hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +312,8 @@ def _warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.teacher_hop must be a probability in [0, 1], got {w.teacher_hop}")
     return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
                           tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
-                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop)
+                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop,
+                          hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()))
 
 
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:

@@ -56,10 +56,10 @@ def _parse_weights(text: str, field: str, what: str, parse_key) -> dict:
     return weights
 
 
-def parse_tool_weights(text: str, tool_names: Sequence[str]) -> np.ndarray:
+def parse_tool_weights(text: str, tool_names: Sequence[str], field: str = "warmup.teacher_tools") -> np.ndarray:
     """``"vector_search:3,bm25_search:1"`` -> probabilities in ``tool_names`` order; "" -> uniform.
 
-    Tools not named get weight 0; naming an unknown tool or a negative weight is an error."""
+    Tools not named get weight 0; naming an unknown tool or a negative weight is an error naming ``field``."""
     if not text.strip():
         return np.full(len(tool_names), 1.0 / len(tool_names))
 
@@ -68,7 +68,7 @@ def parse_tool_weights(text: str, tool_names: Sequence[str]) -> np.ndarray:
             raise ValueError
         return name
 
-    weights = _parse_weights(text, "warmup.teacher_tools", f"TOOL (one of {list(tool_names)})", tool)
+    weights = _parse_weights(text, field, f"TOOL (one of {list(tool_names)})", tool)
     w = np.array([weights.get(n, 0.0) for n in tool_names])
     return w / w.sum()
 
@@ -182,21 +182,22 @@ class TeacherPolicy:
 
 def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None,
                   top_ks: Sequence[Optional[int]] = (None,), top_k_probs: Optional[np.ndarray] = None,
-                  hop: float = 0.0) -> TeacherPolicy:
+                  hop: float = 0.0, hop_probs: Optional[np.ndarray] = None) -> TeacherPolicy:
     """A scripted policy: a search with the question verbatim; with probability ``hop`` a second
     search on an identifier (``result_identifiers``) drawn uniformly from the first search's results
-    (none shown: no second search); then an empty answer. Each search's tool is drawn from ``probs``
-    (uniform by default) and its number of results from ``top_ks`` with ``top_k_probs`` (``None``:
-    no ``top_k`` argument), whatever the question. Every draw is made here, in a fixed order."""
-    def draw():
-        return tool_names[rng.choice(len(tool_names), p=probs)], top_ks[rng.choice(len(top_ks), p=top_k_probs)]
+    (none shown: no second search); then an empty answer. The first search's tool is drawn from
+    ``probs``, the second's from ``hop_probs`` (both uniform by default), each search's number of
+    results from ``top_ks`` with ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the
+    question. Every draw is made here, in a fixed order."""
+    def draw(p=probs):
+        return tool_names[rng.choice(len(tool_names), p=p)], top_ks[rng.choice(len(top_ks), p=top_k_probs)]
 
     def render(tool_and_top_k, query):
         tool, top_k = tool_and_top_k
         return render_tool_call(tool, {"query": query} | ({} if top_k is None else {"top_k": int(top_k)}))
 
     first = draw()
-    second = draw() if hop > 0 and rng.random() < hop else None
+    second = draw(hop_probs) if hop > 0 and rng.random() < hop else None
     return TeacherPolicy(render, first, second, rng.random() if second is not None else 0.0)
 
 
@@ -313,7 +314,7 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     demos = []
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop)
+            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop, np.array(cfg.hop_tool_probs))
             demos.append(demonstration_tokens(driver, variant, policy))
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))

@@ -6,8 +6,9 @@ Each seed is a full `experiments.run` of configs/default.py (synthetic collectio
 warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
 so the script resumes; each run's wall time is printed. The baseline, measured in the same runs, is the warmed-up policy before RL.
 Extra `--config.*` overrides are passed through. It also prints, from the runs' evaluation
-trajectories, nDCG@10 and the share of each tool's first call per query type (the part of the task
-id before its last "-", e.g. `lookup`), before and after RL: what RL changed, not only how much.
+trajectories, nDCG@10, mean turns and the share of each tool's first call per task type (e.g.
+`synthetic/multihop`), before and after RL: what RL changed, not only how much; and the checks of
+issue 15 (overall gain >= 0.15, multihop nDCG@10 >= 0.60 with >= 2.8 turns, lookup <= 2.3 turns).
 """
 
 import argparse
@@ -19,23 +20,24 @@ import time
 
 import numpy as np
 
-from mtrl_jax.data.synthetic import query_type_of_id
 
 KEYS = ("ndcg@10", "failure_rate", "mean_turns")
 
 
 def by_query_type(path: pathlib.Path) -> dict:
-    """{type: [nDCG@10 (failures 0), {tool: share of first calls}]} of an evaluation trajectory file."""
+    """{type: {"ndcg": nDCG@10 (failures 0), "turns": mean turns, "tools": {tool: share of first calls}}}
+    of an evaluation trajectory file (types as the records give them, e.g. ``synthetic/multihop``)."""
     out: dict = {}
     for line in path.read_text().splitlines():
         t = json.loads(line)
-        kind = query_type_of_id(t["task_id"])
-        score, tools = out.setdefault(kind, [[], {}])
+        score, turns, tools = out.setdefault(t["type"], ([], [], {}))
         score.append(t["reward"] if t["status"] == "ok" else 0.0)
+        turns.append(t["num_turns"])
         calls = [c["name"] for turn in t["turns"] for c in turn["calls"] if c["name"]]
         first = calls[0] if calls else "(none)"
         tools[first] = tools.get(first, 0) + 1
-    return {k: [float(np.mean(s)), {n: c / len(s) for n, c in sorted(tools.items())}] for k, (s, tools) in sorted(out.items())}
+    return {k: {"ndcg": float(np.mean(s)), "turns": float(np.mean(n)), "tools": {name: c / len(s) for name, c in sorted(tools.items())}}
+            for k, (s, n, tools) in sorted(out.items())}
 
 
 def main():
@@ -69,28 +71,34 @@ def main():
         delta = after - before
         print(f"{key:>13}: before {before.mean():.4f} +- {before.std():.4f}   after {after.mean():.4f} +- {after.std():.4f}   "
               f"change {delta.mean():+.4f} +- {delta.std():.4f}")
-    print("\nby query type (mean over seeds): nDCG@10 and first tool call shares, before -> after")
+    print("\nby query type (mean over seeds), before -> after: nDCG@10, mean turns, first tool call shares")
     types: dict = {}
     for seed in summaries:
         for label in ("before", "after"):
             path = out / f"seed_{seed}" / "trajectories" / f"eval_{label}.jsonl"
             if path.exists():
-                for kind, (score, tools) in by_query_type(path).items():
-                    entry = types.setdefault(kind, {"before": ([], []), "after": ([], [])})[label]
-                    entry[0].append(score)
-                    entry[1].append(tools)
+                for kind, row in by_query_type(path).items():
+                    types.setdefault(kind, {"before": [], "after": []})[label].append(row)
+    mean = lambda rows, key: float(np.mean([r[key] for r in rows])) if rows else float("nan")  # noqa: E731
+    print(f"{'type':>20} | {'nDCG@10':>15} | {'mean turns':>12} | first tool (before -> after)")
     for kind, entry in types.items():
-        cells = []
+        shares = []
         for label in ("before", "after"):
-            scores, per_seed = entry[label]
-            names = sorted({n for tools in per_seed for n in tools})
-            shares = ", ".join(f"{n} {np.mean([tools.get(n, 0.0) for tools in per_seed]):.2f}" for n in names)
-            cells.append(f"{np.mean(scores):.3f} ({shares})" if scores else "n/a")
-        print(f"{kind:>13}: {cells[0]} -> {cells[1]}")
+            names = sorted({n for r in entry[label] for n in r["tools"]})
+            shares.append(", ".join(f"{n} {np.mean([r['tools'].get(n, 0.0) for r in entry[label]]):.2f}" for n in names))
+        print(f"{kind:>20} | {mean(entry['before'], 'ndcg'):.3f} -> {mean(entry['after'], 'ndcg'):.3f} | "
+              f"{mean(entry['before'], 'turns'):.2f} -> {mean(entry['after'], 'turns'):.2f} | {shares[0]} -> {shares[1]}")
     gain = np.mean([s["after"]["ndcg@10"] - s["before"]["ndcg@10"] for s in summaries.values()])
     worse = np.mean([s["after"]["failure_rate"] - s["before"]["failure_rate"] for s in summaries.values()])
-    print(f"RL beats the teacher by >= 0.10 nDCG@10 with failure rate not higher: {gain >= 0.10 and worse <= 0}")
-
+    print(f"RL beats the warmed-up policy by >= 0.15 nDCG@10 with the failure rate not higher: "
+          f"{gain >= 0.15 and worse <= 0} (change {gain:+.4f}, failure rate {worse:+.4f})")
+    hop = [k for k in types if k.endswith("/multihop")]
+    look = [k for k in types if k.endswith("/lookup")]
+    if hop and look:
+        ndcg, turns = mean(types[hop[0]]["after"], "ndcg"), mean(types[hop[0]]["after"], "turns")
+        lookup_turns = mean(types[look[0]]["after"], "turns")
+        print(f"RL learns when to hop: multihop nDCG@10 {ndcg:.3f} (>= 0.60: {ndcg >= 0.60}), multihop mean turns {turns:.2f} "
+              f"(>= 2.8: {turns >= 2.8}), lookup mean turns {lookup_turns:.2f} (<= 2.3: {lookup_turns <= 2.3})")
 
 if __name__ == "__main__":
     main()

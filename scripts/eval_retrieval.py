@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 from mtrl_jax.data.collection import load_beir
-from mtrl_jax.data.synthetic import SYNTHETIC_TFIDF_DIM, make_synthetic_collection, query_type
+from mtrl_jax.data.synthetic import SYNTHETIC_TFIDF_DIM, make_synthetic_collection
 from mtrl_jax.search.build import SearchSettings
 from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.search.metrics import write_trec_run
@@ -34,10 +34,9 @@ def main():
     parser.add_argument("--run-dir", default=None, help="write TREC run files here")
     args = parser.parse_args()
 
-    if args.synthetic:
-        collection, group_of = make_synthetic_collection(args.seed), query_type
-    else:
-        collection, group_of = load_beir(args.data), None
+    collection = make_synthetic_collection(args.seed) if args.synthetic else load_beir(args.data)
+    # per task type (the synthetic query kinds, MuSiQue's hop counts) where the collection has several
+    group_of = (lambda task: task.type) if len({t.type for t in collection.tasks}) > 1 else None
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     dim = args.tfidf_dim or (SYNTHETIC_TFIDF_DIM if args.synthetic else SearchSettings.tfidf_dim)
     settings = SearchSettings(encoder=args.encoder, tfidf_dim=dim, index_type=args.index, cache_dir=args.cache_dir)

@@ -9,7 +9,7 @@ import rank_bm25
 
 from mtrl_jax.data import collection as col
 from mtrl_jax.data.collection import DataError, Task
-from mtrl_jax.data.synthetic import make_synthetic_collection, query_type
+from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.chat import COMPACT_INSTRUCTIONS, DEFAULT_INSTRUCTIONS, ChatFormat, parse_answer, parse_tool_calls, train_tokenizer
 from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolOutput, run_scripted
 from mtrl_jax.search import metrics
@@ -250,7 +250,7 @@ def test_tool_call_and_answer_parsing():
 
 def test_episode_with_search_then_answer(synthetic, chat):
     env = _env(synthetic)
-    task = next(t for t in synthetic.tasks if query_type(t) == "lookup")
+    task = next(t for t in synthetic.tasks if t.type == "synthetic/lookup")
     ident = task.query.split()[0]
     best = max(task.qrels, key=task.qrels.get)
     script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{ident}"}}}}</tool_call>',
@@ -348,7 +348,7 @@ def test_episode_through_the_http_endpoint(synthetic, chat):
     try:
         env = make_environment(synthetic, SearchSettings(tfidf_dim=32, remote_url=url))
         assert all(isinstance(t, RemoteSearchTool) for t in env.tools.values())
-        task = next(t for t in synthetic.tasks if query_type(t) == "lookup")
+        task = next(t for t in synthetic.tasks if t.type == "synthetic/lookup")
         script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{task.query}"}}}}</tool_call>',
                        '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": 50}}</tool_call>', "done"])
         seen = []
@@ -388,7 +388,7 @@ def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
     assert a.documents == b.documents and a.tasks == b.tasks
     assert 1000 <= len(a.documents) <= 3000
     assert any(g == 1 for t in a.tasks for g in t.qrels.values()) and any(g == 2 for t in a.tasks for g in t.qrels.values())
-    r = evaluate_retrieval(a, ("bm25", "dense"), SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM), group_of=query_type)
+    r = evaluate_retrieval(a, ("bm25", "dense"), SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM), group_of=lambda t: t.type.split("/")[-1])
     bm25, dense = r["bm25"]["by_type"], r["dense"]["by_type"]
     assert bm25["lookup"]["ndcg@10"] > dense["lookup"]["ndcg@10"] + 0.05
     assert dense["describe"]["ndcg@10"] > 1.5 * bm25["describe"]["ndcg@10"]

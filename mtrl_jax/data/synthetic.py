@@ -124,11 +124,3 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
         tasks.append(Task(f"{name}/multihop-{i}", f"component of project {pname}", qrels, name, f"{name}/multihop"))
     return Collection(name, docs, tasks)
 
-
-def query_type_of_id(task_id: str) -> str:
-    """``"synthetic/lookup-12"`` -> ``"lookup"``."""
-    return task_id.split("/")[-1].rsplit("-", 1)[0]
-
-
-def query_type(task: Task) -> str:
-    return query_type_of_id(task.task_id)
