@@ -214,13 +214,23 @@ def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int]
     return run.trajectory.tokens, run.trajectory.loss_mask
 
 
-def _first_turn_end(mask: Sequence[int]) -> int:
-    """Index just past the first run of assistant tokens."""
-    start = list(mask).index(1)
-    end = start
-    while end < len(mask) and mask[end] == 1:
-        end += 1
+def _turn_end(mask: Sequence[int], turns: int) -> int:
+    """Index just past the ``turns``-th run of assistant tokens (the whole length when there are fewer)."""
+    end, seen = 0, 0
+    mask = list(mask)
+    while seen < turns:
+        try:
+            end = mask.index(1, end)
+        except ValueError:
+            return len(mask)
+        while end < len(mask) and mask[end] == 1:
+            end += 1
+        seen += 1
     return end
+
+
+def _assistant_turns(mask: Sequence[int]) -> int:
+    return sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
 
 
 def _pack(demos, length_multiple: int = 8):
@@ -255,18 +265,30 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
 
     The first assistant turn (the tool call, which has to copy the question) carries most of what
     there is to learn, and it comes early in the sequence: so every step but one in ``full_every``
-    trains on the demonstrations cut after their first turn, which is several times cheaper.
+    trains on the demonstrations cut after their first turn, which is several times cheaper. When
+    some demonstrations have more than two turns (a second search, whose query is copied from the
+    first search's results), every other of those steps trains on all of them cut after their second
+    turn instead, so the hop's copy and the choice between hopping and answering are learnt as often.
     Whole demonstrations are grouped by length (multiples of ``full_bucket`` tokens): a full step
     draws a demonstration and fills its batch from the same group, so a few long tool responses
     (a large ``top_k``) do not pad every batch to their length. ``logprob_chunk``: as ``rl.logprob_chunk``.
     """
     tx = warmup_optimizer(steps, learning_rate)
-    group_of = [bucket(len(t), full_bucket) for t, _ in demos]
-    full = {}
-    for length in sorted(set(group_of)):
-        members = [i for i, g in enumerate(group_of) if g == length]
-        full[length] = np.array(members), _pack([demos[i] for i in members], full_bucket)
-    prefixes = _pack([(t[:_first_turn_end(m)], m[:_first_turn_end(m)]) for t, m in demos])
+
+    def grouped(cut):  # demonstrations cut by cut(tokens, mask), grouped by length (multiples of full_bucket)
+        cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
+        group_of = [bucket(len(t), full_bucket) for t, _ in cuts]
+        groups = {}
+        for length in sorted(set(group_of)):
+            members = [i for i, g in enumerate(group_of) if g == length]
+            groups[length] = np.array(members), _pack([cuts[i] for i in members], full_bucket)
+        return group_of, groups
+
+    full = grouped(len)
+    prefixes = _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])
+    # with demonstrations of more than two turns (the teacher's hops), every other step trains on them
+    # cut after their second turn: the hop's call (copied from the first results) or the answer there
+    two_turns = grouped(lambda m: _turn_end(m, 2)) if any(_assistant_turns(m) > 2 for _, m in demos) else None
 
     def loss_fn(params, tok, att, mask):
         logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
@@ -287,8 +309,10 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     for i in range(start, steps):
         if should_stop is not None and should_stop():
             return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
-        if (i + 1) % full_every == 0:
-            members, (tokens, attention, loss_mask) = full[group_of[int(rng.integers(len(demos)))]]
+        view = full if (i + 1) % full_every == 0 else two_turns if two_turns is not None and i % 2 == 1 else None
+        if view is not None:
+            group_of, groups = view
+            members, (tokens, attention, loss_mask) = groups[group_of[int(rng.integers(len(demos)))]]
             idx = rng.choice(len(members), size=batch_size, replace=len(members) < batch_size)
         else:
             tokens, attention, loss_mask = prefixes

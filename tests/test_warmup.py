@@ -162,6 +162,13 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
                    {"role": "tool", "content": "bm25_search found no documents for 'q'."}]) == "<answer></answer>"
 
 
+def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
+    from mtrl_jax.warmup import _assistant_turns, _turn_end
+
+    mask = [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert [_turn_end(mask, n) for n in (1, 2, 3, 4)] == [4, 7, 10, 10] and _assistant_turns(mask) == 3
+
+
 def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
     docs = [Document(f"d{i}", f"part KX-48{i:02d}", f"KX-48{i:02d} pumps for " + "water " * 30) for i in range(20)]
     task = Task("c/lookup-0", "pumps", {"d5": 2}, "c")

@@ -12,8 +12,8 @@ encoder, 32 dimensions) learns which words mean the same thing. Three query type
   that happen to use the same synonyms.
   Grade 2 for parts matching all three attributes, 1 for two of them (same domain and component).
 * ``multihop``: ``"component of project Falcon-12"``. The project document (grade 1) names the
-  part's identifier at the start of its text (so a result snippet shows it); a second, identifier
-  search finds the part (grade 2).
+  part's identifier, quoted, at the start of its text (so a result snippet shows it, tokenised as
+  a tool call's query string would be); a second, identifier search finds the part (grade 2).
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
                 break
         part = int(rng.integers(num_parts))
         _, ident, d, _, _ = parts[part]
-        # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead)
-        text = (f"Key component: part {ident}. Project {pname} is a {DOMAINS[d][0][0]} programme, "
+        # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead), and
+        # in quotes, so that it is tokenised as in a tool call's JSON string (a copy is then token for token)
+        text = (f"Key component: part \"{ident}\". Project {pname} is a {DOMAINS[d][0][0]} programme, "
                 f"delivered by the {LABS[rng.integers(len(LABS))]} team.")
         doc_id = f"d{len(docs):04d}"
         docs.append(Document(doc_id, f"Project {pname}", text))
