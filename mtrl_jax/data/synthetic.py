@@ -1,11 +1,11 @@
 """The synthetic collection behind the embedded default, generated deterministically from a seed.
 
-Documents describe engineering *parts* (each with an identifier such as ``KXQ4``) and the
+Documents describe engineering *parts* (each with an identifier such as ``KX-4821``) and the
 *projects* that use them. Parts mostly use the canonical word of each synonym set and sometimes
 (``synonym_rate``) another one in the same context, so a co-occurrence model (the TF-IDF + SVD
 encoder, 32 dimensions) learns which words mean the same thing. Three query types, graded qrels:
 
-* ``lookup``: an identifier (``"KXQ4 datasheet"``). Exact-term search (BM25) wins: an SVD
+* ``lookup``: an identifier (``"KX-4821 datasheet"``). Exact-term search (BM25) wins: an SVD
   embedding blurs rare identifiers.
 * ``describe``: a paraphrase of a part's properties in synonyms the target documents mostly do not
   use (``"stainless tap for naval use"``). Vector search wins; BM25 only finds the few documents
@@ -51,12 +51,9 @@ PROJECTS = ["Falcon", "Heron", "Orca", "Lynx", "Bison", "Cobra", "Ibis", "Puma",
 
 
 def _ident(rng, used: set) -> str:
-    """A part identifier: three distinct capital consonants and a digit (``KXQ4``). Each of its tokens follows
-    a token that is rare elsewhere in a tool response (a capital letter), so a copy of it is a chain
-    of unambiguous one-token look-ups; a longer run of digits would repeat those of document ids."""
     while True:
-        letters = "".join(rng.choice(list("BCDFGHJKLMNPQRSTVWXZ"), size=3, replace=False))
-        ident = f"{letters}{rng.integers(10)}"
+        letters = "".join(rng.choice(list("BCDFGHJKLMNPQRSTVWXZ"), size=2))
+        ident = f"{letters}-{rng.integers(1000, 10000)}"
         if ident not in used:
             used.add(ident)
             return ident
