@@ -124,8 +124,9 @@ def get_config():
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
     c.warmup.teacher_top_k = "1:3,2:1,3:1,5:1"
     # probability of a second search on an identifier copied from the first's results (one drawn at
-    # random among those shown), whatever the question: RL has to learn which questions need it
-    c.warmup.teacher_hop = 0.25
+    # random among those shown), whatever the question. 0 by default: the tiny policy does not learn to
+    # copy an identifier out of search results (see the README), so RL cannot learn the hop from it
+    c.warmup.teacher_hop = 0.0
     c.warmup.teacher_hop_tools = "bm25_search:1"  # TOOL:WEIGHT,... the second search's tool ("": uniform)
 
     c.eval = config_dict.ConfigDict()
