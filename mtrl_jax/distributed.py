@@ -93,6 +93,14 @@ def exchange(items: Sequence) -> list:
     return out
 
 
+def fetch(x) -> np.ndarray:
+    """All of a global array on every process, as numpy (a collective when there are several
+    processes: each holds only its devices' part of a batch-sharded array)."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def any_process(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (a SIGTERM seen by one stops all at the same step). Collective."""
     if jax.process_count() == 1:

@@ -200,9 +200,10 @@ class Trainer:
         metrics = {"batch/no_gradient_episodes": len(masked)} if self.c.run.truncation != "penalty" else {}
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
-        update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's metrics
+        advantages = distributed.fetch(update_metrics.pop("advantages"))  # [B], batch-sharded on the mesh
+        update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's scalars
         metrics["time/update_s"] = time.perf_counter() - start  # old / reference log-probs, loss, backward, optimizer
-        for t, advantage in zip(trajectories, update_metrics.pop("advantages")):
+        for t, advantage in zip(trajectories, advantages):
             t.advantage = float(advantage)
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["batch/real_token_fraction"] = metrics["train/real_token_fraction"]  # of the tokens the update computed

