@@ -1,11 +1,12 @@
 """scripts/accelerator_check.sh end to end on CPU, with a tiny model shape instead of Qwen3-0.6B."""
 
 import json
-import os
 import pathlib
 import subprocess
 
 import pytest
+
+from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
@@ -17,7 +18,7 @@ TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_si
 def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
     model = tmp_path / "tiny.json"
     model.write_text(json.dumps(TINY))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = subprocess_env()
     result = subprocess.run(["bash", "scripts/accelerator_check.sh", "--model", str(model), "--steps", "2", "--prompts", "2",
                              "--group_size", "2", "--slots", "4", "--max_tokens_per_turn", "16", "--mesh", "1,1,1",
                              "--dtype", "float32", "--micro_batches", "1", "--peak_tflops", "1", "--workdir", str(tmp_path / "w")],

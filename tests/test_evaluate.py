@@ -2,13 +2,14 @@
 
 import itertools
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from envs import subprocess_env
 
 from mtrl_jax.evaluate import comparison_table
 from mtrl_jax.metrics import max_at_k, pass_at_k, summarize
@@ -70,10 +71,7 @@ def test_comparison_table():
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return subprocess_env()
 
 
 TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",

@@ -2,7 +2,6 @@
 parameters as one process with 8 devices; the run's work directory is written once."""
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -12,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
@@ -28,7 +29,7 @@ TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = subprocess_env(devices)
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
     return env

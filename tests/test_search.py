@@ -213,6 +213,17 @@ def test_dense_flat_is_exact_and_embeddings_are_cached(tmp_path, synthetic):
     assert other.embeddings.shape[1] == 16 and len(list(tmp_path.glob("*.npy"))) == 2
 
 
+def test_tfidf_query_encoding_equals_the_batched_sparse_path(synthetic):
+    """A tool call's few queries take a dense path; it gives the sparse batch path's vectors."""
+    enc = TfidfSvdEncoder(32)
+    enc.fit([d.text for d in synthetic.documents])
+    queries = [t.query for t in synthetic.tasks[:30]] + ["zzqx unknown words only", ""]
+    batched = enc.encode(queries)  # > 8 texts: the sparse path
+    one_by_one = np.concatenate([enc.encode([q]) for q in queries])
+    np.testing.assert_allclose(one_by_one, batched, rtol=0, atol=1e-7)
+    assert not one_by_one[-1].any() and not one_by_one[-2].any()  # no indexed term: the zero vector, as batched
+
+
 @pytest.mark.parametrize("index_type", ["ivf", "hnsw"])
 def test_approximate_indexes(synthetic, index_type):
     dense = DenseRetriever(synthetic, TfidfSvdEncoder(32), index_type=index_type, nlist=8, nprobe=8)

@@ -62,12 +62,18 @@ def one_rl_step(chat, cfg, params, mesh):
     return trajectories, state, metrics
 
 
+@pytest.fixture(scope="module")
+def single_device_step(setup):
+    """The reference every mesh shape is compared with, computed once."""
+    return one_rl_step(*setup, None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", MESHES)
-def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, shape):
+def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_device_step, shape):
     assert jax.device_count() >= 8, "conftest sets 8 fake CPU devices"
     chat, cfg, params = setup
-    ref_trajectories, ref_state, _ = one_rl_step(chat, cfg, params, None)
+    ref_trajectories, ref_state, _ = single_device_step
     trajectories, state, metrics = one_rl_step(chat, cfg, params, make_mesh(shape))
     assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]  # the same samples
     np.testing.assert_allclose([t.behav_logp for t in trajectories][0], ref_trajectories[0].behav_logp, atol=1e-5)

@@ -100,16 +100,20 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
     order = np.asarray(minibatch_order(order_key, 8, 2, 2))
     old_logp, _ = sequence_logprobs(CFG, params, batch.tokens, batch.attention_mask, chunk_size=7)
     ref_logp = None if ref_params is None else sequence_logprobs(CFG, ref_params, batch.tokens, batch.attention_mask, chunk_size=7)[0]
-    adv = _grpo(rewards, 2)
+    adv = jnp.asarray(_grpo(rewards, 2), jnp.float32)
+    tokens, attention, loss_mask, behav = map(jnp.asarray, (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp))
+
+    @jax.jit  # one program for the four steps (same shapes), compiled once instead of dispatched op by op
+    def sgd_step(p, rows):
+        def loss(p):
+            logp, entropy = sequence_logprobs(CFG, p, tokens[rows], attention[rows], chunk_size=7)
+            return objective(cfg.objective, logp, old_logp[rows], adv[rows], loss_mask[rows], entropy=entropy,
+                             behav_logp=behav[rows], ref_logp=None if ref_logp is None else ref_logp[rows])[0]
+        return jax.tree.map(lambda w, g: w - 0.5 * g, p, jax.grad(loss)(p))
+
     ref = params
     for rows in order:
-        def loss(p, rows=rows):
-            logp, entropy = sequence_logprobs(CFG, p, batch.tokens[rows], batch.attention_mask[rows], chunk_size=7)
-            return objective(cfg.objective, logp, old_logp[rows], jnp.asarray(adv[rows], jnp.float32),
-                             batch.loss_mask[rows], entropy=entropy, behav_logp=batch.behav_logp[rows],
-                             ref_logp=None if ref_logp is None else ref_logp[rows])[0]
-        grads = jax.grad(loss)(ref)
-        ref = jax.tree.map(lambda p, g: p - 0.5 * g, ref, grads)
+        ref = sgd_step(ref, jnp.asarray(rows))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), new_state.params, ref)
     assert int(new_state.step) == 4 and int(metrics["skipped_steps"]) == 0
     np.testing.assert_array_equal(new_state.rng, rng)  # the state's key advances: the next update draws a new order

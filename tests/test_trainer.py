@@ -1,7 +1,6 @@
 """End to end: experiments.run, checkpoint/resume (SIGKILL, SIGTERM), overrides, the real-model path."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -12,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--config.rollout_max_concurrency=4",
@@ -24,10 +25,7 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return subprocess_env()  # one CPU device, as a user would run it
 
 
 def _run(workdir, *extra, config="configs/default.py", wait=True):
@@ -170,8 +168,8 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     out = _run(tmp_path / "run", f"--config.model.checkpoint={ckpt}", "--config.model.param_dtype=float32",
                "--config.model.dtype=float32", "--config.model.mesh_shape=(1,1,1)",
                f"--config.data.folders={shared_data / 'cranfield'}", "--config.search.cache_dir=",
-               "--config.max_steps=2", "--config.rollout.max_len=4096", "--config.rl.micro_batches=1",
-               "--config.rl.length_bucket=2048", "--config.eval.every_steps=0", "--config.model.remat=False",
+               "--config.max_steps=2", "--config.rollout.max_len=2048", "--config.rl.micro_batches=1",
+               "--config.rl.length_bucket=1024", "--config.eval.every_steps=0", "--config.model.remat=False",
                config="configs/qwen3_search.py")
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]
@@ -248,7 +246,7 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
 
 @pytest.mark.slow
 def test_sigterm_during_warmup_saves_it_and_resume_continues(tmp_path):
-    args = ["--config.warmup.steps=150", "--config.max_steps=1"]
+    args = ["--config.warmup.steps=150", "--config.warmup.batch_size=4", "--config.max_steps=1"]
     proc = _run(tmp_path, *args, wait=False)
     for line in proc.stdout:  # wait until the warm-up is under way
         if "warm-up step 50/150" in line:

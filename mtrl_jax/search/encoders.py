@@ -47,18 +47,22 @@ class TfidfSvdEncoder:
         self.fingerprint = f"tfidf-svd-{dim}-{hashlib.sha256(repr(analyzer).encode()).hexdigest()[:8]}"
         self.vocab: dict[str, int] | None = None
 
+    def _weights(self, text: str) -> tuple[list[int], list[float]]:
+        """The text's indexed terms and their sublinear TF-IDF weights (not yet normalised)."""
+        counts: dict[int, int] = {}
+        for term in self.analyzer(text):
+            j = self.vocab.get(term)
+            if j is not None:
+                counts[j] = counts.get(j, 0) + 1
+        return list(counts), [(1 + math.log(c)) * self.idf[j] for j, c in counts.items()]
+
     def _tfidf(self, texts: Sequence[str]) -> sp.csr_matrix:
         rows, cols, vals = [], [], []
         for r, text in enumerate(texts):
-            counts: dict[int, int] = {}
-            for term in self.analyzer(text):
-                j = self.vocab.get(term)
-                if j is not None:
-                    counts[j] = counts.get(j, 0) + 1
-            for j, c in counts.items():
-                rows.append(r)
-                cols.append(j)
-                vals.append((1 + math.log(c)) * self.idf[j])
+            js, ws = self._weights(text)
+            rows.extend([r] * len(js))
+            cols.extend(js)
+            vals.extend(ws)
         m = sp.csr_matrix((vals, (rows, cols)), shape=(len(texts), len(self.vocab)), dtype=np.float64)
         norms = np.sqrt(np.asarray(m.multiply(m).sum(axis=1))).ravel()
         return sp.diags(1 / np.maximum(norms, 1e-12)) @ m
@@ -89,7 +93,17 @@ class TfidfSvdEncoder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         if self.vocab is None:
             raise RuntimeError("TfidfSvdEncoder.encode before fit")
-        return l2_normalise(np.asarray(self._tfidf(texts) @ self.projection))
+        if len(texts) > 8:
+            return l2_normalise(np.asarray(self._tfidf(texts) @ self.projection))
+        # a few queries (a tool call): the same arithmetic without building sparse matrices, whose fixed
+        # cost was most of a query's encoding time
+        out = np.zeros((len(texts), self.projection.shape[1]))
+        for r, text in enumerate(texts):
+            js, ws = self._weights(text)
+            if js:
+                w = np.asarray(ws)
+                out[r] = (w / max(math.sqrt(float(w @ w)), 1e-12)) @ self.projection[js]
+        return l2_normalise(out)
 
 
 # ----------------------------------------------------------------------------- BERT in JAX
