@@ -151,6 +151,7 @@ def test_samples_follow_the_tempered_distribution():
     assert np.asarray(greedy)[[0, 1, 3]].tolist() == [4, 4, 4]  # greedy rows take the argmax, mixed with a sampled row
 
 
+@pytest.mark.slow
 def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     model, params = model_params
     cfg = model.config

@@ -134,6 +134,7 @@ def test_a_non_finite_step_is_skipped_and_counted():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.opt_state, state.opt_state)
 
 
+@pytest.mark.slow
 def test_warm_compiles_the_update_in_the_background():
     from mtrl_jax.metrics import CompileCounter
 
@@ -148,6 +149,15 @@ def test_warm_compiles_the_update_in_the_background():
     jax.block_until_ready(metrics)
     assert CompileCounter.since(mark)["compile/programs"] == 0  # the program was ready
     assert int(metrics["skipped_steps"]) == 0 and int(new_state.step) == 1
+    # warm() compiled ahead of time and ran nothing; the program gives what the plain jitted update gives
+    plain = Updater(updater.model_cfg, updater.config, updater.tx)
+    want, _ = plain.update(plain.init_state(params, jax.random.PRNGKey(0)), batch, params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, want.params)
+    # a batch of another shape than the warmed one is compiled on first use (jit)
+    longer = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7], T=14)
+    mark = CompileCounter.mark()
+    jax.block_until_ready(updater.update(new_state, longer, params))
+    assert CompileCounter.since(mark)["compile/programs"] >= 1
 
 
 def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():

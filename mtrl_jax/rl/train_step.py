@@ -270,6 +270,15 @@ class Updater:
         self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
         # the state is not donated: its parameters are also the collector's published parameters
         self._update = jax.jit(functools.partial(update_step, model_cfg, config, tx))
+        self._compiled: dict = {}  # signature -> the program warm() compiled ahead of time
+        self._warming: dict = {}  # signature -> the thread compiling it
+
+    @staticmethod
+    def _signature(batch: TrajectoryBatch, ref_params) -> tuple:
+        """What selects a compiled program besides the (fixed) train state: the batch's shapes and
+        dtypes, its group size, and whether there is a KL reference."""
+        arrays = (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp, batch.reward)
+        return tuple((tuple(x.shape), str(x.dtype)) for x in arrays) + (batch.group_size, ref_params is None)
 
     def init_state(self, params, rng) -> TrainState:
         with activate(self.mesh):
@@ -282,20 +291,31 @@ class Updater:
             return self._update.lower(state, batch, ref_params)
 
     def warm(self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool) -> threading.Thread:
-        """Compile the update for ``[rows, length]`` batches in a background thread, by running it once
-        on an empty batch (the result is dropped), so the first real update finds its program ready.
-        The trainer starts this before the warm-up and the first evaluation, which leave a core idle."""
+        """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
+        the first real update finds its program ready. The trainer starts this before the warm-up and
+        the first evaluation, which leave a core idle. Only compiled, never run: running it would hold
+        a second train state and the update's buffers while the evaluation holds its KV cache."""
         empty = TrajectoryBatch(np.zeros((rows, length), np.int32), np.zeros((rows, length), np.int32),
                                 np.zeros((rows, length), np.float32), np.zeros((rows, length), np.float32),
                                 np.zeros((rows,), np.float32), group_size=group_size)
         ref = state.params if with_reference else None
-        thread = threading.Thread(target=lambda: jax.block_until_ready(self.update(state, empty, ref)), daemon=True,
-                                  name="update-compile")
+        signature = self._signature(empty, ref)
+
+        def compile_update():
+            with activate(self.mesh):
+                self._compiled[signature] = self._update.lower(state, place_batch(empty, self.mesh), ref).compile()
+
+        thread = threading.Thread(target=compile_update, daemon=True, name="update-compile")
+        self._warming[signature] = thread
         thread.start()
         return thread
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""
+        signature = self._signature(batch, ref_params)
+        if (thread := self._warming.pop(signature, None)) is not None:
+            thread.join()  # warm() is compiling this very program
+        update = self._compiled.get(signature, self._update)
         with activate(self.mesh):
-            return self._update(state, place_batch(batch, self.mesh), ref_params)
+            return update(state, place_batch(batch, self.mesh), ref_params)
 
