@@ -48,6 +48,7 @@ def test_switch_on_length_takes_the_smallest_bucket_that_holds_every_row():
         assert int(switch_on_length((4, 8, 10), jnp.asarray(mask), lambda length, x: x + length, jnp.int32(0))) == expected
 
 
+@pytest.mark.slow
 def test_scoring_returns_every_row_in_place():
     params = init_params(CFG, jax.random.PRNGKey(1))
     other = init_params(CFG, jax.random.PRNGKey(2))
@@ -160,6 +161,7 @@ def test_warm_compiles_the_update_in_the_background():
     assert CompileCounter.since(mark)["compile/programs"] >= 1
 
 
+@pytest.mark.slow
 def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():
     """In the first mini-batch the old and (here equal) reference log-probs are the training forward's
     own, so with every advantage 0 the gradient is exactly 0, and Adam (which would blow float noise
