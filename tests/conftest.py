@@ -13,8 +13,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the whole test session, shared with the subprocesses the tests start
 # (the trainer tests run `experiments.run` two or three times on the same config). It starts empty in a
 # fresh temporary folder, so every program is still compiled once per session; later compiles of the
-# same program load it instead (about a third of the suite's time). MTRL_TEST_COMPILE_CACHE=0 turns it
-# off; a JAX_COMPILATION_CACHE_DIR set by the user is left alone.
+# same program load it instead. MTRL_TEST_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR set
+# by the user is left alone.
 if os.environ.get("MTRL_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

@@ -1,8 +1,8 @@
 """The environment of the processes tests start (``experiments.run``, scripts): JAX on CPU with the
 given number of (fake) devices, one unless a test shards, as a user would run it, and XLA's backend
 at optimisation level 0. The tests' programs are small and run a few times each, so most of their
-time is LLVM compiling them; level 0 makes that about a third shorter and changes the machine code,
-not what is computed."""
+time is LLVM compiling them; level 0 shortens that and changes the machine code, not what is
+computed."""
 
 import os
 

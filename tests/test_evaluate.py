@@ -70,10 +70,6 @@ def test_comparison_table():
     assert "| syn | failure_rate | 0.1000 | 0.0000 | -0.1000 (-100.0%) |" in table
 
 
-def _env():
-    return subprocess_env()
-
-
 TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",
         "--config.rollout.decode_chunk=8", "--config.model.tiny_layers=1", "--config.rollout_max_concurrency=8",
         "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
@@ -83,7 +79,7 @@ TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.r
 def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     def evaluate(out, *extra):
         cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={out}", "--samples=2", *TINY, *extra]
-        result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
@@ -109,7 +105,7 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
 def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
     cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={tmp_path / 'out'}",
            f"--checkpoint={tmp_path / 'typo'}", *TINY]
-    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and f"{tmp_path / 'typo'}: not a training work directory" in result.stderr
     assert not (tmp_path / "typo").exists()
 
@@ -119,12 +115,12 @@ def test_ablation_runner_resumes_and_reports(tmp_path):
     cmd = [sys.executable, "-m", "experiments.ablate", "--config=configs/default.py", "--grid", "rl.loss=ppo,cispo",
            "--seeds", "1", "--out", str(tmp_path), "--eval-every", "1", "--config.max_steps=2", "--config.global_batch_size=2",
            "--config.rollout.group_size=2", "--config.rollout.asynchronous=False", *TINY]
-    first = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1200)
+    first = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = (tmp_path / "results.md").read_text()
     assert "| loss=ppo |" in table and "| loss=cispo |" in table and "±" in table
     results = json.loads((tmp_path / "results.json").read_text())
     assert [s for s, _ in results["loss=ppo"]["curves"][0]] == [0, 1, 2]
     assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
-    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("done already") == 2

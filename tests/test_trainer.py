@@ -24,15 +24,11 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
          "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
 
 
-def _env():
-    return subprocess_env()  # one CPU device, as a user would run it
-
-
 def _run(workdir, *extra, config="configs/default.py", wait=True):
     cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *SMALL, *extra]
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -125,7 +121,7 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
 
 def test_overrides_and_typos():
     cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", "--config.rl.lossy=ppo"]
-    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "lossy" in result.stderr
     from configs import default, qwen3_search
     from mtrl_jax.setup import update_config
@@ -281,7 +277,7 @@ def test_a_second_run_on_the_same_workdir_stops_at_once(tmp_path):
             time.sleep(0.2)
         cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={tmp_path}", *SMALL]
         start = time.time()
-        second = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        second = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert second.returncode != 0 and f"the work directory is in use by pid {first.pid}" in second.stderr
         assert time.time() - start < 60
     finally:

@@ -302,8 +302,7 @@ class Updater:
         signature = self._signature(empty, ref)
 
         def compile_update():
-            with activate(self.mesh):
-                self._compiled[signature] = self._update.lower(state, place_batch(empty, self.mesh), ref).compile()
+            self._compiled[signature] = self.lower(state, place_batch(empty, self.mesh), ref).compile()
 
         thread = threading.Thread(target=compile_update, daemon=True, name="update-compile")
         self._warming[signature] = thread
