@@ -18,6 +18,7 @@ question words, so copying is what generalises.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -294,8 +295,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
         return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
-    @jax.jit
-    def step(params, opt_state, tok, att, mask):
+    @functools.partial(jax.jit, donate_argnums=(1,))  # the new optimizer state over the old (not the
+    def step(params, opt_state, tok, att, mask):       # parameters: the caller's may be published)
         loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

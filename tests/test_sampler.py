@@ -159,10 +159,10 @@ def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     smp = S.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=8)
     start = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
 
-    def check(blocks, computed):
-        before = smp.tokens_computed
-        pieces = smp.extend(params, copy(start), blocks)
-        assert smp.tokens_computed - before == computed
+    def check(blocks, computed, sampler=smp):
+        before = sampler.tokens_computed
+        pieces = sampler.extend(params, copy(start), blocks)
+        assert sampler.tokens_computed - before == computed
         tokens = np.zeros((4, max(len(b) for b in blocks)), np.int32)
         for row, block in enumerate(blocks):
             tokens[row, :len(block)] = block
@@ -177,6 +177,23 @@ def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     check([[], list(range(1, 20)), [], [5, 6, 7]], 8 * 8)
     # 10 + 5 + 1 pieces: more than max_lines, so two calls, the first pieces of every row first
     check([list(range(1, 80)), [9] * 40, [], [4]], 2 * 8 * 8)
+    # 17 pieces: 16 lines, then 8 (one of them useful), rather than 32 lines with 15 of padding
+    wide = S.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=64)
+    check([list(range(1, 70)), [9] * 40, [3] * 20, []], (16 + 8) * 8, wide)
+
+
+def test_extend_calls_pad_at_most_a_quarter_of_their_lines_where_splitting_saves_lines():
+    assert S.call_lines(40, 256, 0.75) == [32, 8]  # not 64
+    assert S.call_lines(17, 256, 0.75) == [16, 8]  # not 32
+    assert S.call_lines(9, 256, 0.75) == [16]  # 8 + 8 would compute as many lines, in two calls
+    assert S.call_lines(600, 256, 0.75) == [256, 256, 64, 32]
+    assert S.call_lines(40, 256, 0.0) == [64] and S.call_lines(600, 256, 0.0) == [256, 256, 128]  # fill 0: pad
+    for n in range(1, 700):
+        sizes = S.call_lines(n, 256, 0.75)
+        assert all(s in (8, 16, 32, 64, 128, 256) for s in sizes)  # the same shapes as one padded call
+        assert sum(sizes[:-1]) < n <= sum(sizes)  # every call but the last is full
+        assert sum(sizes) <= sum(S.call_lines(n, 256, 0.0))  # never more lines than padding
+        assert sum(sizes) - n <= max(7, 0.25 * sum(sizes))  # padding: at most a quarter, or what 8 lines leave
 
 
 def test_bucketed_shapes_reuse_compiled_programs(model_params):

@@ -107,11 +107,11 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((8, 32), np.float32), -np.ones((8, 32), np.float32),
                             rng.uniform(size=8).astype(np.float32), group_size=4)
     compiled = updater.lower(state, place_batch(batch, mesh), None).compile()
-    (state_in, batch_in, _), _ = compiled.input_shardings
+    (params_in, opt_in, _, _, batch_in, _), _ = compiled.input_shardings  # the state's fields, the batch, no reference
     (state_out, _) = compiled.output_shardings
-    for where in (state_in, state_out):
-        assert _spec(where.params["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
-        assert not where.params["embed"].is_fully_replicated and not where.params["lm_head"].is_fully_replicated
+    for where in (params_in, state_out.params, opt_in[0].mu, state_out.opt_state[0].mu):  # Adam's moments follow
+        assert _spec(where["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
+        assert not where["embed"].is_fully_replicated and not where["lm_head"].is_fully_replicated
     assert _spec(batch_in.tokens)[0] == ("data", "fsdp") and _spec(batch_in.reward)[0] == ("data", "fsdp")
 
     from mtrl_jax.rollout import sampler as S

@@ -268,8 +268,13 @@ class Updater:
     def __init__(self, model_cfg: ModelConfig, config: UpdateConfig, tx: optax.GradientTransformation,
                  mesh: Optional[Mesh] = None):
         self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
-        # the state is not donated: its parameters are also the collector's published parameters
-        self._update = jax.jit(functools.partial(update_step, model_cfg, config, tx))
+        # The optimizer state is donated: the new moments are written over the old ones, which saves
+        # twice the parameters' size (Adam) at the update's peak. The parameters are not: they are
+        # also the collector's published parameters, in use until the new ones are published.
+        def step_fn(params, opt_state, step, rng, batch, ref_params):
+            return update_step(model_cfg, config, tx, TrainState(params, opt_state, step, rng), batch, ref_params)
+
+        self._update = jax.jit(step_fn, donate_argnames=("opt_state",))
         self._compiled: dict = {}  # signature -> the program warm() compiled ahead of time
         self._warming: dict = {}  # signature -> the thread compiling it
 
@@ -288,7 +293,7 @@ class Updater:
         """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
         ``.compile()`` and its memory and cost analyses (``scripts/plan_scale.py``)."""
         with activate(self.mesh):
-            return self._update.lower(state, batch, ref_params)
+            return self._update.lower(*state, batch, ref_params)
 
     def warm(self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool) -> threading.Thread:
         """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
@@ -310,11 +315,12 @@ class Updater:
         return thread
 
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
-        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``)."""
+        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``).
+        ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
         signature = self._signature(batch, ref_params)
         if (thread := self._warming.pop(signature, None)) is not None:
             thread.join()  # warm() is compiling this very program
         update = self._compiled.get(signature, self._update)
         with activate(self.mesh):
-            return update(state, place_batch(batch, self.mesh), ref_params)
+            return update(*state, place_batch(batch, self.mesh), ref_params)
 

@@ -173,6 +173,24 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
+    """The line counts of the ``extend`` calls that take ``pieces`` pieces, in order (each a power
+    of two >= 8, at most ``max_lines``, itself a power of two). A call takes as many pieces as it
+    has lines; the last call's extra lines are padding. Where padding the rest up to one power of
+    two would leave less than ``fill`` of the lines useful, the largest power of two below goes
+    first and the rest is planned again, if that computes fewer lines in all: e.g. 40 pieces are
+    32 + 8 lines at ``fill`` 0.75, not 64. The calls use the same few shapes; only their number
+    grows. ``fill`` 0: one padded call per ``max_lines`` pieces."""
+    if pieces <= 0:
+        return []
+    lines = min(max_lines, bucket_length(pieces, 8))
+    if lines > 8 and pieces < fill * lines:  # first a power of two below `pieces` (every line useful), then the rest
+        split = [lines // 2] + call_lines(pieces - lines // 2, max_lines, fill)
+        if sum(split) < lines:  # fewer lines in all (not so for 16 lines: 8 + 8)
+            return split
+    return [lines] + call_lines(pieces - lines, max_lines, fill)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
@@ -199,6 +217,7 @@ class Sampler:
     max_new_tokens: int
     piece: int = 32  # extend: tokens per line of a call (blocks are cut into pieces of this many)
     max_lines: int = 256  # extend: lines per call at most (a power of two)
+    fill: float = 0.75  # extend: useful lines per call at least, by splitting calls (``call_lines``)
     mesh: Optional[Mesh] = None
 
     def __post_init__(self):
@@ -221,8 +240,9 @@ class Sampler:
         """Append ``blocks[b]`` (possibly empty) to each row.
 
         Only the new tokens are computed: every block is cut into pieces of ``piece`` tokens, and
-        the pieces go to the device as the lines of one block (a power of two >= 8 of them, at
-        most ``max_lines``; more pieces take more calls, earlier pieces first). So a call's
+        the pieces go to the device as the lines of a block (a power of two >= 8 of them, at
+        most ``max_lines``; more pieces take more calls, earlier pieces first, and a call whose
+        padding would exceed ``1 - fill`` of its lines is split: ``call_lines``). So a call's
         shape is one of a few (lines x ``piece``, and the attention window), whatever the mix of
         prompts and tool replies. ``tokens_extended`` / ``tokens_computed`` count the real tokens
         and the computed ones (padding included)."""
@@ -233,10 +253,10 @@ class Sampler:
             return state
         lengths = np.asarray(jax.device_get(state.lengths)).copy()  # host copy, advanced call by call
         added = np.zeros(self.slots, np.int64)  # tokens of each row's block already on the device
-        max_lines = max(8, bucket_length(self.max_lines, 1))
-        for first in range(0, len(pieces), max_lines):
-            call = pieces[first:first + max_lines]
-            lines = min(max_lines, bucket_length(len(call), 8))
+        first = 0
+        for lines in call_lines(len(pieces), max(8, bucket_length(self.max_lines, 1)), self.fill):
+            call = pieces[first:first + lines]
+            first += lines
             tokens = np.zeros((lines, self.piece), np.int32)
             rows, starts, num_new = np.zeros(lines, np.int32), np.zeros(lines, np.int32), np.zeros(lines, np.int32)
             last = np.zeros(lines, bool)
