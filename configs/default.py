@@ -76,6 +76,9 @@ def get_config():
     c.rollout.max_tokens_per_turn = 48
     c.rollout.decode_chunk = 48
     c.rollout.tool_workers = 4  # 0: tools inline (a fully deterministic schedule)
+    # compile every extend / decode shape in a background thread while the warm-up and the first
+    # evaluation run, so that no RL step waits on a shape first met late
+    c.rollout.precompile = True
     c.rollout.asynchronous = True  # generate the next batch while training on this one
     c.rollout.max_staleness = 1  # parameter versions a trained token may lag behind
 

@@ -16,6 +16,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -262,11 +263,16 @@ class Trainer:
     def train(self) -> dict:
         run = self.c.run
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        metrics_log, rollouts = None, None
+        metrics_log, rollouts, precompile, stop = None, None, None, threading.Event()
         try:
             if jax.process_count() == 1 and run.total_steps > 0:  # compiled while warm-up and evaluation run
                 self.c.updater.warm(self.state, run.global_batch_size * run.group_size, run.batch_length, run.group_size,
                                     bool(self.c.updater.config.objective.kl_coef))
+                if self.collector.config.precompile:  # the evaluation's first (it runs first), then the step's
+                    collectors, params = (self.eval_collector, self.collector), self.state.params
+                    precompile = threading.Thread(target=lambda: [c.precompile(params, stop) for c in collectors],
+                                                  daemon=True, name="sampler-compile")
+                    precompile.start()
             self._begin()
             first, _ = self.start
             metrics_log = M.MetricsLog(self.workdir, first + 1) if distributed.is_primary() else None
@@ -319,6 +325,9 @@ class Trainer:
         finally:
             if rollouts is not None:
                 rollouts.stop()
+            if precompile is not None:  # a short run: the shapes not compiled yet are not needed
+                stop.set()
+                precompile.join()
             signal.signal(signal.SIGTERM, previous)
             if metrics_log is not None:
                 metrics_log.close()

@@ -122,7 +122,8 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
             "--config.max_steps=2", "--config.global_batch_size=2", "--config.rollout.group_size=2",
             "--config.rollout_max_concurrency=4", "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
             "--config.rollout.max_len=1024", "--config.rl.entropy_coef=0.01", "--config.optim.learning_rate=1e-4",
-            "--config.checkpoint.every_steps=1", "--config.search.cache_dir=", "--config.log.progress=False"]
+            "--config.checkpoint.every_steps=1", "--config.search.cache_dir=", "--config.log.progress=False",
+            "--config.rollout.precompile=False"]
     done = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -215,3 +215,40 @@ def test_bucketed_shapes_reuse_compiled_programs(model_params):
         state, _ = smp.decode(params, state, jax.random.PRNGKey(seed), [temp] * 3, [0.9] * 3, [[-1]] * 3, [True] * 3)
     assert compiled(smp._decode) - decode0 == 1
     assert [S.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+
+
+@pytest.mark.slow
+def test_precompiled_programs_serve_every_call_shape(model_params):
+    """``precompile`` compiles every (lines, window) extend shape and every decode window up front:
+    calls of any mix of blocks then compile nothing, and give what the jitted functions give."""
+    from mtrl_jax.metrics import CompileCounter
+
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=4, piece=8, max_lines=16)
+    extend_shapes, decode_windows = smp.call_shapes()
+    assert extend_shapes == [(8, 64), (16, 64), (8, 96), (16, 96)] and decode_windows == [64, 96]
+    stop = [[-1]] * 3
+
+    def episode(rng):
+        out, state = [], smp.init()
+        for _ in range(6):  # blocks of 0-20 tokens per row, then 4 decoded tokens, until the cache is nearly full
+            lengths = np.asarray(state.lengths)
+            blocks = [list(rng.integers(1, 300, size=min(int(rng.integers(0, 21)), 96 - 4 - int(n)))) for n in lengths]
+            state = smp.extend(params, state, blocks)
+            state, decoded = smp.decode(params, state, jax.random.PRNGKey(0), [0.0] * 3, [1.0] * 3, stop, [True] * 3)
+            out.append((np.asarray(decoded.tokens), np.asarray(state.lengths), np.asarray(state.last_hidden)))
+        return out
+
+    smp.precompile(params)
+    jitted = smp._extend._cache_size(), smp._decode._cache_size()
+    episode(np.random.default_rng(0))  # the eager helpers (key splits, lengths) compile once
+    mark = CompileCounter.mark()
+    precompiled = episode(np.random.default_rng(1))
+    assert CompileCounter.since(mark)["compile/programs"] == 0
+    assert (smp._extend._cache_size(), smp._decode._cache_size()) == jitted  # no call fell back to jit
+    for key in [k for k in smp._programs if k[1:3] == (3, 96)]:
+        del smp._programs[key]  # the jitted functions, shape by shape
+    for (a, la, ha), (b, lb, hb) in zip(precompiled, episode(np.random.default_rng(1))):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(la, lb)
+        np.testing.assert_allclose(ha, hb, atol=1e-6)

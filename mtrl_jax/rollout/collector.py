@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -40,6 +41,7 @@ class CollectorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     tool_workers: int = 4  # 0: run tools inline (fully deterministic schedule)
+    precompile: bool = True  # the trainer compiles every extend / decode shape ahead of time (Sampler.precompile)
 
 
 def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> CollectorConfig:
@@ -94,6 +96,11 @@ class Collector:
         # the last run(): seconds in extend and decode (device calls) and tool waits (``*_s``), the
         # number of device calls, and the share of extend's computed tokens that were real (not padding)
         self.timings: dict[str, float] = {}
+
+    def precompile(self, params, stop: Optional[threading.Event] = None) -> None:
+        """Compile the sampler's every ``extend`` / ``decode`` shape for these calls (``Sampler.precompile``);
+        ``stop`` set: return after the program being compiled."""
+        self.sampler.precompile(params, self.stop_tokens.shape[1], stop)
 
     def close(self):
         if self.pool is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -191,17 +192,26 @@ def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
     return [lines] + call_lines(pieces - lines, max_lines, fill)
 
 
+def _state_sharding(mesh: Mesh) -> SamplerState:
+    return SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1), batch_sharding(mesh, 2))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
     and ``decode`` donate the sampler state (the KV cache is updated in place, never copied)."""
-    state_sharding = None
-    if mesh is not None:
-        state_sharding = SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1),
-                                      batch_sharding(mesh, 2))
+    state_sharding = None if mesh is None else _state_sharding(mesh)
     return (jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
             jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
-            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding))
+            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding),
+            {})  # programs compiled ahead of time (``Sampler.precompile``), by call signature
+
+
+def windows(max_len: int, at_least: int = 0) -> list[int]:
+    """The attention windows calls use: powers of two >= 64 (and >= ``at_least``'s bucket) below
+    ``max_len``, and ``max_len``."""
+    first = bucket_length(max(at_least, 1), 64)
+    return sorted({min(max_len, w) for w in (first << i for i in range(64)) if w < 2 * max_len and (w >> 1) < max_len})
 
 
 @dataclasses.dataclass
@@ -221,8 +231,72 @@ class Sampler:
     mesh: Optional[Mesh] = None
 
     def __post_init__(self):
-        self._extend, self._decode, self._init = _compiled(self.cfg, self.mesh)
+        self._extend, self._decode, self._init, self._programs = _compiled(self.cfg, self.mesh)
         self.tokens_extended = self.tokens_computed = 0  # by extend: real tokens, and computed ones (padding included)
+
+    def _extend_key(self, lines: int, window: int) -> tuple:
+        return ("extend", self.slots, self.max_len, lines, self.piece, window)
+
+    def _decode_key(self, window: int, rows) -> tuple:
+        return ("decode", self.slots, self.max_len, self.max_new_tokens, window,
+                tuple((tuple(x.shape), str(x.dtype)) for x in rows))
+
+    def _run(self, key, jitted, args, kwargs, static):
+        """The program ``precompile`` compiled for ``key`` if there is one, else the jitted function (which
+        compiles a new shape itself). A program whose arguments do not match (e.g. parameters
+        placed otherwise than those it was compiled with) is rejected before it runs (nothing is
+        donated) and dropped, and the jitted function runs instead."""
+        program = self._programs.get(key)
+        if program is not None:
+            try:
+                return program(*args, **kwargs)
+            except (TypeError, ValueError):
+                self._programs.pop(key, None)
+        return jitted(*args, **kwargs, **static)
+
+    def call_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """Every ``(lines, window)`` an ``extend`` call can take, and every ``decode`` window. A
+        call of ``lines`` > 8 lines holds more than ``lines / 2`` pieces (``call_lines``), and the rows
+        within a window hold at most ``slots x ceil(window / piece)`` of them."""
+        max_lines = max(8, bucket_length(self.max_lines, 1))
+        extend_shapes = [(lines, w) for w in windows(self.max_len)
+                         for lines in (8 << i for i in range(max_lines.bit_length()) if 8 << i <= max_lines)
+                         if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)]
+        return extend_shapes, windows(self.max_len, self.max_new_tokens)
+
+    def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
+        """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
+        (``call_shapes``), so that no call of a run waits on a compile of a shape first met late. Programs are shared by the samplers of one model config and mesh
+        (the evaluation's, with the same slots, uses them too). Calls whose program is not ready
+        yet compile it themselves (jit), as without it. ``num_stop_tokens``: the width of the
+        ``stop_tokens`` the decode calls will pass. ``stop`` set: return after the program being
+        compiled (the caller no longer needs the rest)."""
+        state = jax.eval_shape(lambda: init_state(self.cfg, self.slots, self.max_len))
+        if self.mesh is not None:
+            state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
+                                 _state_sharding(self.mesh))
+        extend_shapes, decode_windows = self.call_shapes()
+        with activate(self.mesh):
+            for lines, window in extend_shapes:
+                key = self._extend_key(lines, window)
+                if stop is not None and stop.is_set():
+                    return
+                if key not in self._programs:
+                    line = np.zeros(lines, np.int32)
+                    tokens, num_new = place_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
+                    self._programs[key] = self._extend.lower(params, state, tokens, num_new, window=window, rows=line,
+                                                             starts=line, last=np.zeros(lines, bool)).compile()
+            rows = (jax.random.split(jax.random.PRNGKey(0), self.slots), np.ones(self.slots, np.float32),
+                    np.ones(self.slots, np.float32), np.zeros((self.slots, num_stop_tokens), np.int32),
+                    np.ones(self.slots, bool), np.ones(self.slots, np.int32))
+            signature, rows = rows, place_batch(rows, self.mesh)
+            for window in decode_windows:
+                key = self._decode_key(window, signature)
+                if stop is not None and stop.is_set():
+                    return
+                if key not in self._programs:
+                    self._programs[key] = self._decode.lower(params, state, *rows, max_new_tokens=self.max_new_tokens,
+                                                             window=window).compile()
 
     def window(self, state: SamplerState, rows, new_tokens: int) -> int:
         """The cache slots a call attends to: a power of two (>= 64) above the longest of ``rows``
@@ -272,8 +346,9 @@ class Sampler:
             np.add.at(lengths, rows, num_new)
             np.add.at(added, rows, num_new)
             with activate(self.mesh):
-                state = self._extend(params, state, *place_batch((tokens, num_new), self.mesh), window=window,
-                                     rows=rows, starts=starts, last=last)
+                state = self._run(self._extend_key(lines, window), self._extend,
+                                  (params, state, *place_batch((tokens, num_new), self.mesh)),
+                                  dict(rows=rows, starts=starts, last=last), dict(window=window))
         return state
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
@@ -287,8 +362,8 @@ class Sampler:
                 np.asarray(active, bool), np.asarray(budget, np.int32))
         window = self.window(state, rows[4], self.max_new_tokens)
         with activate(self.mesh):
-            return self._decode(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens,
-                                window=window)
+            return self._run(self._decode_key(window, rows), self._decode, (params, state, *place_batch(rows, self.mesh)), {},
+                             dict(max_new_tokens=self.max_new_tokens, window=window))
 
     def lower_decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget):
         """``decode`` lowered for these (abstract, placed) arguments, for ``scripts/plan_scale.py``."""
