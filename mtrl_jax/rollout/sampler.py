@@ -210,8 +210,11 @@ def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
 def windows(max_len: int, at_least: int = 0) -> list[int]:
     """The attention windows calls use: powers of two >= 64 (and >= ``at_least``'s bucket) below
     ``max_len``, and ``max_len``."""
-    first = bucket_length(max(at_least, 1), 64)
-    return sorted({min(max_len, w) for w in (first << i for i in range(64)) if w < 2 * max_len and (w >> 1) < max_len})
+    out, w = [], bucket_length(max(at_least, 1), 64)
+    while w < max_len:
+        out.append(w)
+        w *= 2
+    return out + [max_len]
 
 
 @dataclasses.dataclass
@@ -233,6 +236,10 @@ class Sampler:
     def __post_init__(self):
         self._extend, self._decode, self._init, self._programs = _compiled(self.cfg, self.mesh)
         self.tokens_extended = self.tokens_computed = 0  # by extend: real tokens, and computed ones (padding included)
+
+    @property
+    def _max_lines(self) -> int:
+        return max(8, bucket_length(self.max_lines, 1))
 
     def _extend_key(self, lines: int, window: int) -> tuple:
         return ("extend", self.slots, self.max_len, lines, self.piece, window)
@@ -258,45 +265,45 @@ class Sampler:
         """Every ``(lines, window)`` an ``extend`` call can take, and every ``decode`` window. A
         call of ``lines`` > 8 lines holds more than ``lines / 2`` pieces (``call_lines``), and the rows
         within a window hold at most ``slots x ceil(window / piece)`` of them."""
-        max_lines = max(8, bucket_length(self.max_lines, 1))
-        extend_shapes = [(lines, w) for w in windows(self.max_len)
-                         for lines in (8 << i for i in range(max_lines.bit_length()) if 8 << i <= max_lines)
+        line_counts = [8 << i for i in range(self._max_lines.bit_length()) if 8 << i <= self._max_lines]
+        extend_shapes = [(lines, w) for w in windows(self.max_len) for lines in line_counts
                          if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)]
         return extend_shapes, windows(self.max_len, self.max_new_tokens)
 
     def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
         """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
-        (``call_shapes``), so that no call of a run waits on a compile of a shape first met late. Programs are shared by the samplers of one model config and mesh
-        (the evaluation's, with the same slots, uses them too). Calls whose program is not ready
-        yet compile it themselves (jit), as without it. ``num_stop_tokens``: the width of the
-        ``stop_tokens`` the decode calls will pass. ``stop`` set: return after the program being
-        compiled (the caller no longer needs the rest)."""
+        (``call_shapes``), so that no call of a run waits on a compile of a shape first met late.
+        Programs are shared by the samplers of one model config and mesh (the evaluation's, with the
+        same slots, uses them too). Calls whose program is not ready yet compile it themselves (jit),
+        as without it. ``num_stop_tokens``: the width of the ``stop_tokens`` the decode calls will
+        pass. ``stop`` set: return after the program being compiled (the caller no longer needs the rest)."""
         state = jax.eval_shape(lambda: init_state(self.cfg, self.slots, self.max_len))
         if self.mesh is not None:
             state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
                                  _state_sharding(self.mesh))
         extend_shapes, decode_windows = self.call_shapes()
+        rows = (jax.random.split(jax.random.PRNGKey(0), self.slots), np.ones(self.slots, np.float32),
+                np.ones(self.slots, np.float32), np.zeros((self.slots, num_stop_tokens), np.int32),
+                np.ones(self.slots, bool), np.ones(self.slots, np.int32))
+
+        def lower_extend(lines, window):
+            line = np.zeros(lines, np.int32)
+            tokens, num_new = place_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
+            return self._extend.lower(params, state, tokens, num_new, window=window, rows=line, starts=line,
+                                      last=np.zeros(lines, bool))
+
+        def lower_decode(window):
+            return self._decode.lower(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens,
+                                      window=window)
+
+        jobs = [(self._extend_key(lines, w), functools.partial(lower_extend, lines, w)) for lines, w in extend_shapes]
+        jobs += [(self._decode_key(w, rows), functools.partial(lower_decode, w)) for w in decode_windows]
         with activate(self.mesh):
-            for lines, window in extend_shapes:
-                key = self._extend_key(lines, window)
+            for key, lower in jobs:
                 if stop is not None and stop.is_set():
                     return
                 if key not in self._programs:
-                    line = np.zeros(lines, np.int32)
-                    tokens, num_new = place_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
-                    self._programs[key] = self._extend.lower(params, state, tokens, num_new, window=window, rows=line,
-                                                             starts=line, last=np.zeros(lines, bool)).compile()
-            rows = (jax.random.split(jax.random.PRNGKey(0), self.slots), np.ones(self.slots, np.float32),
-                    np.ones(self.slots, np.float32), np.zeros((self.slots, num_stop_tokens), np.int32),
-                    np.ones(self.slots, bool), np.ones(self.slots, np.int32))
-            signature, rows = rows, place_batch(rows, self.mesh)
-            for window in decode_windows:
-                key = self._decode_key(window, signature)
-                if stop is not None and stop.is_set():
-                    return
-                if key not in self._programs:
-                    self._programs[key] = self._decode.lower(params, state, *rows, max_new_tokens=self.max_new_tokens,
-                                                             window=window).compile()
+                    self._programs[key] = lower().compile()
 
     def window(self, state: SamplerState, rows, new_tokens: int) -> int:
         """The cache slots a call attends to: a power of two (>= 64) above the longest of ``rows``
@@ -328,7 +335,7 @@ class Sampler:
         lengths = np.asarray(jax.device_get(state.lengths)).copy()  # host copy, advanced call by call
         added = np.zeros(self.slots, np.int64)  # tokens of each row's block already on the device
         first = 0
-        for lines in call_lines(len(pieces), max(8, bucket_length(self.max_lines, 1)), self.fill):
+        for lines in call_lines(len(pieces), self._max_lines, self.fill):
             call = pieces[first:first + lines]
             first += lines
             tokens = np.zeros((lines, self.piece), np.int32)
