@@ -79,6 +79,9 @@ def get_config():
     # compile every extend / decode shape in a background thread while the warm-up and the first
     # evaluation run, so that no RL step waits on a shape first met late
     c.rollout.precompile = True
+    # a new episode's prompt takes the cached keys and values of the prefix it shares with another
+    # episode's (the system prompt, the group's samples of one prompt) instead of computing them again
+    c.rollout.share_prefixes = True
     c.rollout.asynchronous = True  # generate the next batch while training on this one
     c.rollout.max_staleness = 1  # parameter versions a trained token may lag behind
 

@@ -262,7 +262,7 @@ def collector_config(config) -> CollectorConfig:
         raise ValueError(f"rollout.max_tokens_per_turn must be >= 1, got {r.max_tokens_per_turn}")
     return CollectorConfig(slots=config.rollout_max_concurrency, max_len=r.max_len, max_tokens_per_turn=r.max_tokens_per_turn,
                            decode_chunk=r.decode_chunk, temperature=r.temperature, top_p=r.top_p, tool_workers=r.tool_workers,
-                           precompile=r.precompile)
+                           precompile=r.precompile, share_prefixes=r.share_prefixes)
 
 
 def _run_settings(config, rows_divisor: int) -> RunSettings:

@@ -30,7 +30,7 @@ from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import eval_rows, run_episodes
 from mtrl_jax.rl.batch import make_batch
-from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
+from mtrl_jax.rollout.collector import Collector, EpisodeRequest, extend_fractions, fitted_slots
 from mtrl_jax.rollout.dynamic_sampling import no_gradient_rows, refill, split_informative
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams, filter_stale
 from mtrl_jax.setup import Components, build
@@ -139,6 +139,7 @@ class Trainer:
                 more = self.collector.run(self.extra_requests(step, round_, n))
                 for k, v in self.collector.timings.items():
                     timings[k] = timings.get(k, 0) + v
+                timings.update(extend_fractions(timings))  # of the summed counts, not a sum of fractions
                 return [more[i:i + G] for i in range(0, len(more), G)]
 
             cap = -(-run.filter_max_extra_groups // jax.process_count())  # each process refills its share

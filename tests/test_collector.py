@@ -23,13 +23,13 @@ from mtrl_jax.rollout.trajectory import Trajectory
 class EchoEnv(Environment):
     """Every turn gets a tool reply until ``turns`` turns were taken; the tool sleeps ``delay``."""
 
-    def __init__(self, turns=2, delay=0.0):
-        self.turns, self.delay = turns, delay
+    def __init__(self, turns=2, delay=0.0, system="sys"):
+        self.turns, self.delay, self.system = turns, delay, system
         self.active_tools = 0
         self.lock = threading.Lock()
 
     def reset(self, task):
-        return Episode(task), [{"role": "system", "content": "sys"}, {"role": "user", "content": task.query}]
+        return Episode(task), [{"role": "system", "content": self.system}, {"role": "user", "content": task.query}]
 
     def step(self, episode, text, hit_token_limit=False):
         turn = {"text": text, "stop_reason": "token_limit" if hit_token_limit else "end_of_turn"}
@@ -129,6 +129,31 @@ def test_inline_tools_are_deterministic(chat, model):
     c = Collector(cfg, chat, EchoEnv(turns=2), CollectorConfig(slots=5, max_len=512, max_tokens_per_turn=10, decode_chunk=10,
                                                              tool_workers=0), lambda: (params, 0)).run(_requests(5))
     assert [t.tokens for t in a] == [t.tokens for t in c]
+
+
+def test_episodes_share_cached_prompt_prefixes_without_changing_a_token(chat, model):
+    """The system prompt, and the whole prompt of a group's samples, are computed once per run (then
+    copied into the rows that start with them): the same trajectories, with fewer tokens computed."""
+    cfg, params = model
+    system = " ".join(["sys alpha beta gamma"] * 8)
+
+    def run(share):
+        collector = Collector(cfg, chat, EchoEnv(turns=2, system=system), CollectorConfig(
+            slots=3, max_len=512, max_tokens_per_turn=6, decode_chunk=6, tool_workers=0, share_prefixes=share), lambda: (params, 0))
+        requests = [EpisodeRequest(Task(f"t{i // 2}", f"query {i // 2} alpha", {"d": 1}, "c"), i // 2, i % 2, jax.random.PRNGKey(i))
+                    for i in range(8)]  # 4 groups of 2 samples of one prompt
+        return collector.run(requests), collector.timings
+
+    (shared, timings), (plain, plain_timings) = run(True), run(False)
+    assert [t.tokens for t in shared] == [t.tokens for t in plain]
+    np.testing.assert_allclose([t.behav_logp for t in shared], [t.behav_logp for t in plain], atol=1e-5)
+    prompts = [chat.prompt([{"role": "system", "content": system}, {"role": "user", "content": f"query {i} alpha"}]) for i in (0, 1)]
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)  # what all prompts start with
+    # every episode but the first shares at least that, and the first group's second sample (started in the
+    # same call as the first) its whole prompt but the last token
+    assert plain_timings["extend_shared"] == 0 and timings["extend_shared"] >= 7 * common + (len(prompts[0]) - 1 - common)
+    assert timings["extend_tokens"] + timings["extend_shared"] == plain_timings["extend_tokens"]
+    assert timings["extend_shared_fraction"] > 0.4
 
 
 def test_context_limit_ends_episode_with_failure(chat, model):

@@ -252,3 +252,49 @@ def test_precompiled_programs_serve_every_call_shape(model_params):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(la, lb)
         np.testing.assert_allclose(ha, hb, atol=1e-6)
+
+
+def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model_params):
+    """A row starting a new sequence takes the prefix of its block the cache already holds (in a row
+    computed first in the same call, its own stale entries, another row's), only if computed with
+    the same parameters: the states are what computing every token gives, with fewer tokens computed."""
+    model, params = model_params
+    other = jax.tree.map(lambda x: x * 1.01, params)
+    system = list(range(40, 60))  # 20 tokens that every prompt but one starts with
+    copy = lambda st: jax.tree.map(jnp.copy, st)  # noqa: E731 - extend donates its state
+
+    def run(min_shared):
+        smp = S.Sampler(model.config, slots=4, max_len=128, max_new_tokens=4, piece=8, min_shared=min_shared)
+        states, computed = [], []
+
+        def extend(state, blocks, p=params):
+            before = smp.tokens_extended
+            state = smp.extend(p, state, blocks)
+            computed.append(smp.tokens_extended - before)
+            states.append(copy(state))
+            return state
+
+        # rows 1 and 2 share row 0's first 22 and 20 tokens: row 0 is computed first, they copy them
+        state = extend(smp.init(), [system + [1, 2, 3], system + [1, 2, 3], system + [7], [9, 8, 7, 6, 5]])
+        state, out = smp.decode(params, state, jax.random.PRNGKey(0), [0.0] * 4, [1.0] * 4, [[-1]] * 4, [True] * 4)
+        # rows 0 and 3 start over: row 0 takes its own stale system prompt, row 3 row 0's
+        state = extend(smp.reset_rows(state, [True, False, False, True]), [system + [4, 4], [5], [], system + [6, 6, 6]])
+        # other parameters: nothing computed with the old ones is shared
+        extend(smp.reset_rows(state, [True, False, False, False]), [system + [8], [], [], []], other)
+        return states, computed, smp.tokens_shared, np.asarray(out.tokens)
+
+    shared, computed, tokens_shared, decoded = run(4)
+    plain, plain_computed, plain_shared, plain_decoded = run(0)
+    assert computed == [23 + 1 + 1 + 5, 2 + 1 + 3, 21] and tokens_shared == 22 + 20 + 20 + 20
+    assert plain_computed == [23 + 23 + 21 + 5, 22 + 1 + 23, 21] and plain_shared == 0
+    np.testing.assert_array_equal(decoded, plain_decoded)
+    for a, b in zip(shared, plain):
+        lengths = np.asarray(a.lengths)
+        np.testing.assert_array_equal(lengths, b.lengths)
+        held = np.arange(128)[None, :] < lengths[:, None]  # entries past a row's length are stale in both
+        np.testing.assert_array_equal(np.where(held, a.tokens, 0), np.where(held, b.tokens, 0))
+        np.testing.assert_allclose(a.last_hidden, b.last_hidden, atol=1e-5)
+        for x, y in ((a.cache.k, b.cache.k), (a.cache.v, b.cache.v)):
+            np.testing.assert_allclose(np.where(held[None, :, :, None, None], x, 0), np.where(held[None, :, :, None, None], y, 0),
+                                       atol=1e-5)
+    assert (np.asarray(shared[-1].tokens)[1:] == -1).all()  # forgotten: the other rows were computed with `params`

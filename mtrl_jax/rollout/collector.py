@@ -42,6 +42,7 @@ class CollectorConfig:
     top_p: float = 1.0
     tool_workers: int = 4  # 0: run tools inline (fully deterministic schedule)
     precompile: bool = True  # the trainer compiles every extend / decode shape ahead of time (Sampler.precompile)
+    share_prefixes: bool = True  # a new episode's prompt takes the cached prefix it shares with another (Sampler.extend)
 
 
 def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> CollectorConfig:
@@ -50,6 +51,15 @@ def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> Colle
     so 128 slots of 8,192 tokens for 50 episodes would be gigabytes allocated for nothing."""
     needed = max(rows, -(-max(episodes, 1) // rows) * rows)
     return dataclasses.replace(config, slots=min(config.slots, needed))
+
+
+def extend_fractions(timings: dict) -> dict:
+    """From a run's extend token counts (or several runs' sums): the share of the tokens extend
+    computed that were real (not padding), and the share of the tokens appended to the cache that
+    were copied from a cached prefix instead of computed."""
+    real, shared = timings["extend_tokens"], timings["extend_shared"]
+    return {"extend_useful_fraction": real / max(timings["extend_computed"], 1),
+            "extend_shared_fraction": shared / max(real + shared, 1)}
 
 
 @dataclasses.dataclass
@@ -89,12 +99,12 @@ class Collector:
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
         self.driver = EpisodeDriver(env, chat, config.max_len)
         self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
-                                 mesh=mesh)
+                                 mesh=mesh, min_shared=16 if config.share_prefixes else 0)
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
         # the last run(): seconds in extend and decode (device calls) and tool waits (``*_s``), the
-        # number of device calls, and the share of extend's computed tokens that were real (not padding)
+        # number of device calls, extend's token counts and their fractions (``extend_fractions``)
         self.timings: dict[str, float] = {}
 
     def precompile(self, params, stop: Optional[threading.Event] = None) -> None:
@@ -122,7 +132,7 @@ class Collector:
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
         timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0, "extend_calls": 0, "decode_calls": 0}
-        self.sampler.tokens_extended = self.sampler.tokens_computed = 0
+        self.sampler.tokens_extended = self.sampler.tokens_computed = self.sampler.tokens_shared = 0
         state = self.sampler.init()
 
         def release_if_done(i: int):
@@ -192,5 +202,7 @@ class Collector:
                     start = time.perf_counter()
                     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
                     timings["tool_wait_s"] += time.perf_counter() - start
-        timings["extend_useful_fraction"] = self.sampler.tokens_extended / max(self.sampler.tokens_computed, 1)
+        timings.update(extend_tokens=self.sampler.tokens_extended, extend_computed=self.sampler.tokens_computed,
+                       extend_shared=self.sampler.tokens_shared)
+        timings.update(extend_fractions(timings))
         return [results[i] for i in range(len(requests))]

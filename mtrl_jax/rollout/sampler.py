@@ -5,6 +5,11 @@
 * ``decode``: an on-device ``lax.while_loop`` that samples until each row hits one of its stop
   tokens, ``max_new_tokens``, or the end of the cache. Temperature and top-p are ``[B]`` arrays
   (not static), so changing them never recompiles.
+* ``share_prefixes``: a row starting a new sequence takes the keys and values of its longest
+  prefix already in the cache (its own stale entries, another row's, or a row of the same call:
+  the system prompt, the ``G`` samples of one prompt) instead of computing them again. The state
+  records the token at every cache position, and ``forget`` clears that record when the
+  parameters change, so only entries computed with the current parameters are shared.
 
 Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled id over the full
 vocabulary (not the top-p-truncated distribution), exactly what ``rl.logprobs`` recomputes.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -39,6 +45,9 @@ class SamplerState(NamedTuple):
     cache: KVCache  # [L, B, S, K, H]
     lengths: jax.Array  # [B] int32: tokens held per row
     last_hidden: jax.Array  # [B, D]: hidden state of each row's last token (next-token logits)
+    # [B, S] int32: the token whose keys and values each cache slot holds, also past a row's length
+    # (a reset row's stale entries); -1: none, or computed with other parameters (``forget``)
+    tokens: jax.Array
 
 
 class DecodeOutput(NamedTuple):
@@ -50,7 +59,7 @@ class DecodeOutput(NamedTuple):
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
     return SamplerState(init_cache(cfg, batch, max_len), jnp.zeros((batch,), jnp.int32),
-                        jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype))
+                        jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype), jnp.full((batch, max_len), -1, jnp.int32))
 
 
 def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
@@ -71,11 +80,38 @@ def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num
     offsets = state.lengths if rows is None else state.lengths[rows] + starts
     hidden, cache = forward(cfg, params, tokens, valid, state.cache, offsets, window, rows)
     final = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    written = jnp.where(valid, offsets[:, None] + jnp.arange(T)[None, :], state.tokens.shape[1])  # out of range: not written
     if rows is None:
-        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], final, state.last_hidden))
+        held = state.tokens.at[jnp.arange(tokens.shape[0])[:, None], written].set(tokens, mode="drop")
+        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], final, state.last_hidden), held)
     target = jnp.where(last & (num_new > 0), rows, state.lengths.shape[0])  # out of range: not written
     return SamplerState(cache, state.lengths.at[rows].add(num_new),
-                        state.last_hidden.at[target].set(final.astype(state.last_hidden.dtype), mode="drop"))
+                        state.last_hidden.at[target].set(final.astype(state.last_hidden.dtype), mode="drop"),
+                        state.tokens.at[rows[:, None], written].set(tokens, mode="drop"))
+
+
+def share_prefixes(state: SamplerState, src: jax.Array, dst: jax.Array, count: jax.Array, window: int) -> SamplerState:
+    """Row ``dst[i]`` takes the keys, values and tokens of row ``src[i]``'s first ``count[i]`` cache
+    slots (``count <= window``, static) and holds ``count[i]`` tokens; its next token is then appended
+    with ``extend``. All are read before any is written, so a row may be a source and a destination.
+    ``dst`` out of range: a padding pair, nothing written."""
+    take = jnp.arange(window)[None, :] < count[:, None]  # [R, W]
+
+    def copy(x, batch_axis):  # x [..., B, S, ...]: the first `window` slots of rows dst from rows src
+        part = jax.lax.slice_in_dim(x, 0, window, axis=batch_axis + 1)
+        source, target = jnp.take(part, src, axis=batch_axis), jnp.take(part, dst, axis=batch_axis, mode="clip")
+        mask = take.reshape(take.shape + (1,) * (x.ndim - batch_axis - 2))
+        new = jnp.where(mask, source, target)
+        index = (slice(None),) * batch_axis + (dst[:, None], jnp.arange(window)[None, :])
+        return x.at[index].set(new, mode="drop")
+
+    cache = KVCache(copy(state.cache.k, 1), copy(state.cache.v, 1))
+    return SamplerState(cache, state.lengths.at[dst].set(count, mode="drop"), state.last_hidden, copy(state.tokens, 0))
+
+
+def forget(state: SamplerState) -> SamplerState:
+    """No cache entry can be shared any more (they were computed with parameters no longer in use)."""
+    return state._replace(tokens=jnp.full_like(state.tokens, -1))
 
 
 def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, max_len: int) -> SamplerState:
@@ -193,7 +229,8 @@ def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
 
 
 def _state_sharding(mesh: Mesh) -> SamplerState:
-    return SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1), batch_sharding(mesh, 2))
+    return SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1), batch_sharding(mesh, 2),
+                        batch_sharding(mesh, 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +241,16 @@ def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     return (jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
             jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
             jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding),
+            jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=state_sharding),
+            jax.jit(forget, donate_argnums=(0,), out_shardings=state_sharding),
             {})  # programs compiled ahead of time (``Sampler.precompile``), by call signature
+
+
+def _common(a: np.ndarray, b: np.ndarray, n: int) -> int:
+    """The length of the common prefix of ``a`` and ``b``, at most ``n``."""
+    n = min(n, len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 def windows(max_len: int, at_least: int = 0) -> list[int]:
@@ -232,10 +278,15 @@ class Sampler:
     max_lines: int = 256  # extend: lines per call at most (a power of two)
     fill: float = 0.75  # extend: useful lines per call at least, by splitting calls (``call_lines``)
     mesh: Optional[Mesh] = None
+    # extend: a row starting a new sequence takes the cached keys and values of its longest prefix held
+    # by any row (or computed in the same call) when that saves at least ``min_shared`` tokens; 0: never
+    min_shared: int = 16
 
     def __post_init__(self):
-        self._extend, self._decode, self._init, self._programs = _compiled(self.cfg, self.mesh)
-        self.tokens_extended = self.tokens_computed = 0  # by extend: real tokens, and computed ones (padding included)
+        self._extend, self._decode, self._init, self._share, self._forget, self._programs = _compiled(self.cfg, self.mesh)
+        # by extend: real tokens computed, computed ones (padding included), and tokens shared instead of computed
+        self.tokens_extended = self.tokens_computed = self.tokens_shared = 0
+        self._params = None  # a weak reference to a leaf of the parameters the cache entries were computed with
 
     @property
     def _max_lines(self) -> int:
@@ -243,6 +294,9 @@ class Sampler:
 
     def _extend_key(self, lines: int, window: int) -> tuple:
         return ("extend", self.slots, self.max_len, lines, self.piece, window)
+
+    def _share_key(self, window: int) -> tuple:
+        return ("share", self.slots, self.max_len, window)
 
     def _decode_key(self, window: int, rows) -> tuple:
         return ("decode", self.slots, self.max_len, self.max_new_tokens, window,
@@ -272,7 +326,7 @@ class Sampler:
 
     def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
         """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
-        (``call_shapes``), so that no call of a run waits on a compile of a shape first met late.
+        (``call_shapes``; and ``forget`` and ``share_prefixes`` at every window), so that no call of a run waits on a compile of a shape first met late.
         Programs are shared by the samplers of one model config and mesh (the evaluation's, with the
         same slots, uses them too). Calls whose program is not ready yet compile it themselves (jit),
         as without it. ``num_stop_tokens``: the width of the ``stop_tokens`` the decode calls will
@@ -296,8 +350,13 @@ class Sampler:
             return self._decode.lower(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens,
                                       window=window)
 
-        jobs = [(self._extend_key(lines, w), functools.partial(lower_extend, lines, w)) for lines, w in extend_shapes]
+        index = np.zeros(self.slots, np.int32)
+        jobs = [(("forget", self.slots, self.max_len), lambda: self._forget.lower(state))]
+        jobs += [(self._extend_key(lines, w), functools.partial(lower_extend, lines, w)) for lines, w in extend_shapes]
         jobs += [(self._decode_key(w, rows), functools.partial(lower_decode, w)) for w in decode_windows]
+        if self.min_shared:
+            jobs += [(self._share_key(w), functools.partial(self._share.lower, state, index, index, index, window=w))
+                     for w in windows(self.max_len)]
         with activate(self.mesh):
             for key, lower in jobs:
                 if stop is not None and stop.is_set():
@@ -326,13 +385,81 @@ class Sampler:
         padding would exceed ``1 - fill`` of its lines is split: ``call_lines``). So a call's
         shape is one of a few (lines x ``piece``, and the attention window), whatever the mix of
         prompts and tool replies. ``tokens_extended`` / ``tokens_computed`` count the real tokens
-        and the computed ones (padding included)."""
+        and the computed ones (padding included).
+
+        A row that holds no tokens (a new sequence) first takes the longest prefix of its block
+        that the cache already holds, computed with these parameters, in any row: its own stale
+        entries, another row's, or, when that is longer, a row of this very call (whose block is
+        computed first, and the prefix copied after it), if that saves at least ``min_shared``
+        tokens. Its last token is always computed (the next-token state). ``tokens_shared`` counts
+        the tokens copied instead of computed."""
         if len(blocks) != self.slots:
             raise ValueError(f"extend: got {len(blocks)} blocks for {self.slots} slots")
+        state = self._current(params, state)
+        if not any(len(b) for b in blocks):
+            return state
+        lengths = np.asarray(jax.device_get(state.lengths)).copy()  # host copy, advanced call by call
+        blocks, held, later = self._plan_sharing(state, blocks, lengths) if self.min_shared else (list(blocks), [], {})
+        state = self._copy(state, held, lengths)
+        if later:  # the prefixes held nowhere yet: copied once this call's other rows are computed
+            state = self._extend_pieces(params, state, [[] if row in later else b for row, b in enumerate(blocks)], lengths)
+            state = self._copy(state, [(leader, row, count) for row, (leader, count) in later.items()], lengths)
+            blocks = [blocks[row][later[row][1]:] if row in later else [] for row in range(self.slots)]
+        return self._extend_pieces(params, state, blocks, lengths)
+
+    def _current(self, params, state: SamplerState) -> SamplerState:
+        """``state`` with its record of shareable entries cleared if ``params`` are not the ones its
+        entries were computed with (a weak reference: the sampler keeps no parameters alive)."""
+        leaf = jax.tree.leaves(params)[0]
+        if self._params is not None and self._params() is leaf:
+            return state
+        self._params = weakref.ref(leaf)
+        with activate(self.mesh):
+            return self._run(("forget", self.slots, self.max_len), self._forget, (state,), {}, {})
+
+    def _plan_sharing(self, state: SamplerState, blocks, lengths: np.ndarray) -> tuple[list, list, dict]:
+        """The prefixes new rows share: the blocks left to compute, ``(source, row, count)`` for the
+        prefixes the cache holds now, and ``{row: (leader, count)}`` for those that a row of this call
+        (a leader) computes first."""
+        blocks = [np.asarray(b, np.int32) for b in blocks]
+        new = [row for row, b in enumerate(blocks) if lengths[row] == 0 and len(b) > self.min_shared]
+        if not new:
+            return blocks, [], {}
+        held = np.asarray(jax.device_get(state.tokens))
+        pairs, later, leaders = [], {}, []
+        for row in new:
+            block, n = blocks[row], len(blocks[row]) - 1  # the last token is computed: its hidden state
+            prefix = np.cumprod(held[:, :n] == block[None, :n], axis=1).sum(axis=1)
+            source = row if prefix[row] == prefix.max() else int(prefix.argmax())  # its own entries first
+            count = int(prefix[source])
+            best = max(((_common(blocks[leader], block, n), leader) for leader in leaders), default=(0, -1))
+            if best[0] >= count + self.min_shared:
+                later[row] = (best[1], best[0])
+                continue
+            leaders.append(row)
+            if count >= self.min_shared:
+                pairs.append((source, row, count))
+                blocks[row] = block[count:]
+        return blocks, pairs, later
+
+    def _copy(self, state: SamplerState, pairs, lengths: np.ndarray) -> SamplerState:
+        """``share_prefixes`` for ``(source, row, count)`` pairs (padded to ``slots``); advances ``lengths``."""
+        if not pairs:
+            return state
+        src, dst, count = np.zeros(self.slots, np.int32), np.full(self.slots, self.slots, np.int32), np.zeros(self.slots, np.int32)
+        for i, (source, row, n) in enumerate(pairs):
+            src[i], dst[i], count[i] = source, row, n
+            lengths[row] = n
+            self.tokens_shared += n
+        window = min(self.max_len, bucket_length(int(count.max()), 64))
+        with activate(self.mesh):
+            return self._run(self._share_key(window), self._share, (state, src, dst, count), {}, dict(window=window))
+
+    def _extend_pieces(self, params, state: SamplerState, blocks, lengths: np.ndarray) -> SamplerState:
+        """The extend calls that append ``blocks`` to rows holding ``lengths`` tokens (advanced here)."""
         pieces = sorted((start, row) for row, block in enumerate(blocks) for start in range(0, len(block), self.piece))
         if not pieces:
             return state
-        lengths = np.asarray(jax.device_get(state.lengths)).copy()  # host copy, advanced call by call
         added = np.zeros(self.slots, np.int64)  # tokens of each row's block already on the device
         first = 0
         for lines in call_lines(len(pieces), self._max_lines, self.fill):
@@ -360,6 +487,7 @@ class Sampler:
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
         """``row_keys``: ``[B]`` PRNG keys, or one key (split into per-row keys)."""
+        state = self._current(params, state)
         row_keys = jnp.asarray(row_keys)
         if row_keys.ndim == 1 and not jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
             row_keys = jax.random.split(row_keys, self.slots)
