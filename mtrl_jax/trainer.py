@@ -139,7 +139,8 @@ class Trainer:
                 more = self.collector.run(self.extra_requests(step, round_, n))
                 for k, v in self.collector.timings.items():
                     timings[k] = timings.get(k, 0) + v
-                timings.update(extend_fractions(timings))  # of the summed counts, not a sum of fractions
+                if "extend_tokens" in timings:  # of the summed counts, not a sum of fractions
+                    timings.update(extend_fractions(timings))
                 return [more[i:i + G] for i in range(0, len(more), G)]
 
             cap = -(-run.filter_max_extra_groups // jax.process_count())  # each process refills its share
