@@ -43,26 +43,27 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per setting, alternate
 
 
 def measure(name: str, collectors: dict, requests: list, repeats: int) -> None:
-    seconds, outcomes = {k: [] for k in collectors}, {}
+    seconds, timings, outcomes = {k: [] for k in collectors}, {k: [] for k in collectors}, {}
     for collector in collectors.values():
         collector.run(requests)  # compiles
     for _ in range(repeats):
         for setting, collector in collectors.items():  # alternated
             start = time.perf_counter()
-            trajectories = collector.run(requests)
+            outcomes[setting] = collector.run(requests)
             seconds[setting].append(time.perf_counter() - start)
-            outcomes[setting] = (trajectories, dict(collector.timings))
-    (on, on_t), (off, off_t) = outcomes[True], outcomes[False]
-    same = sum(a.tokens == b.tokens for a, b in zip(on, off))
+            timings[setting].append(dict(collector.timings))
+    med = {k: {key: statistics.median(t[key] for t in runs) for key in runs[0]} for k, runs in timings.items()}
+    same = sum(a.tokens == b.tokens for a, b in zip(outcomes[True], outcomes[False]))
     print(f"{name}: {len(requests)} episodes, {collectors[True].config.slots} slots, medians of {repeats}")
     for setting, label in ((True, "shared prefixes"), (False, "every token computed")):
-        t = outcomes[setting][1]
-        print(f"  {label:20s} {statistics.median(seconds[setting]):7.2f} s | extend {t['extend_s']:.2f} s, "
-              f"{t['extend_tokens']:,} tokens computed, {t['extend_shared']:,} shared ({t['extend_shared_fraction']:.0%} of the "
-              f"tokens appended), decode {t['decode_s']:.2f} s")
+        t = med[setting]
+        print(f"  {label:20s} {statistics.median(seconds[setting]):7.2f} s | extend {t['extend_s']:.2f} s in {t['extend_calls']:.0f} calls, "
+              f"{t['extend_tokens']:,.0f} tokens computed, {t['extend_shared']:,.0f} shared ({t['extend_shared_fraction']:.0%} of the "
+              f"tokens appended); decode {t['decode_s']:.2f} s in {t['decode_calls']:.0f} calls; tool waits {t['tool_wait_s']:.2f} s")
     ratio = statistics.median(seconds[False]) / statistics.median(seconds[True])
-    print(f"  computing every token / sharing: {ratio:.2f}x the time; {off_t['extend_tokens'] / max(on_t['extend_tokens'], 1):.2f}x "
-          f"the tokens extend computes; {same} of {len(on)} episodes token for token the same")
+    print(f"  every token computed / shared prefixes: {ratio:.2f}x the time, {med[False]['extend_s'] / med[True]['extend_s']:.2f}x "
+          f"extend's time, {med[False]['extend_tokens'] / max(med[True]['extend_tokens'], 1):.2f}x the tokens it computes; "
+          f"{same} of {len(requests)} episodes token for token the same")
 
 
 def main(argv):
