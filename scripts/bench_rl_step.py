@@ -8,7 +8,9 @@ into device calls (``decode_s``, ``extend_s``) and waits on tools (``tool_wait_s
 the rollout thread (``collect_wait_s``, ~0 when generation overlaps the previous update); the
 update (``update_s``: old and reference log-probs, loss, backward, optimizer); the trajectory
 log (``logging_s``); the checkpoint written after the previous step; and the XLA programs compiled
-during the step (``compile/programs``, ``compile/seconds``, both threads). The script prints them
+during the step (``compile/programs``, ``compile/seconds``, both threads); the real tokens of the
+update's micro-batches, extend's useful tokens and the share of appended tokens copied from a cached
+prefix (``rollout.share_prefixes``). The script prints them
 per step and the medians of the steady state (from ``--steady_from``). With ``--baseline REV`` it
 also runs the same command in a git worktree of ``REV`` and prints the ratio of the steady-state
 step times (the baseline only needs ``time/step_s``).
@@ -31,7 +33,7 @@ COLUMNS = [("step_s", "time/step_s"), ("collect_wait", "time/collect_wait_s"), (
            ("decode", "time/decode_s"), ("extend", "time/extend_s"), ("tool_wait", "time/tool_wait_s"),
            ("update", "time/update_s"), ("logging", "time/logging_s"), ("prev_ckpt", "time/previous_checkpoint_s"),
            ("compiles", "compile/programs"), ("compile_s", "compile/seconds"), ("real_tok", "batch/real_token_fraction"),
-           ("ext_useful", "rollout/extend_useful_fraction")]
+           ("ext_useful", "rollout/extend_useful_fraction"), ("ext_shared", "rollout/extend_shared_fraction")]
 
 
 def run(repo: pathlib.Path, workdir: pathlib.Path, args) -> tuple[list[dict], float]:
