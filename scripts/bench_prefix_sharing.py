@@ -8,7 +8,8 @@ episodes, the two settings alternated.
 
 Two workloads of ``--config`` (any ``--config.key=value`` override applies), each run with
 ``rollout.share_prefixes`` on and off by two collectors on the same parameters, ``--repeats`` times,
-alternated, after one untimed run each (compiles):
+alternated, after each compiled every shape a call can take (as the trainer does at its start:
+``rollout.precompile``; with tool workers the calls' shapes vary from run to run) and ran once:
 
 * **RL step**: the episodes of the first RL step (``global_batch_size`` training tasks x
   ``rollout.group_size`` samples at the rollout temperature), with the trainer's slots and tool workers;
@@ -42,10 +43,11 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training work directory
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per setting, alternated")
 
 
-def measure(name: str, collectors: dict, requests: list, repeats: int) -> None:
+def measure(name: str, collectors: dict, requests: list, repeats: int, params) -> None:
     seconds, timings, outcomes = {k: [] for k in collectors}, {k: [] for k in collectors}, {}
-    for collector in collectors.values():
-        collector.run(requests)  # compiles
+    for collector in collectors.values():  # every shape a call can take, as the trainer does (rollout.precompile)
+        collector.precompile(params)
+        collector.run(requests)
     for _ in range(repeats):
         for setting, collector in collectors.items():  # alternated
             start = time.perf_counter()
@@ -93,7 +95,7 @@ def main(argv):
                                    temperature=max(config.eval.temperature, 0.0), tool_workers=0)
     for name, cfg, requests in (("RL step", step_cfg, step), ("evaluation", eval_cfg, held_out)):
         pair = collectors(cfg)
-        measure(name, pair, requests, _REPEATS.value)
+        measure(name, pair, requests, _REPEATS.value, params)
         for collector in pair.values():
             collector.close()
 
