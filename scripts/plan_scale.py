@@ -153,16 +153,15 @@ def compile_decode(cfg, mesh, args, flop_count: bool = False):
     import jax
     import jax.numpy as jnp
 
-    from mtrl_jax.model.sharding import batch_sharding, cache_sharding, param_shardings
-    from mtrl_jax.model.transformer import KVCache, abstract_params
-    from mtrl_jax.rollout.sampler import SamplerState, Sampler, init_state
+    from mtrl_jax.model.sharding import batch_sharding, param_shardings
+    from mtrl_jax.model.transformer import abstract_params
+    from mtrl_jax.rollout.sampler import Sampler, init_state, state_sharding
 
     boxed = abstract_params(cfg)
     params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
     sampler = Sampler(cfg, args.slots, args.max_len, 1, mesh=mesh)
     shapes = jax.eval_shape(lambda: init_state(cfg, args.slots, args.max_len))
-    state = _abstract(shapes, SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1),
-                                           batch_sharding(mesh, 2)))
+    state = _abstract(shapes, state_sharding(mesh))
     S = args.slots
     row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
     return sampler.lower_decode(params, state, row((S, 2), jnp.uint32), row((S,), jnp.float32), row((S,), jnp.float32),

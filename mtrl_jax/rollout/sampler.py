@@ -228,7 +228,8 @@ def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
     return [lines] + call_lines(pieces - lines, max_lines, fill)
 
 
-def _state_sharding(mesh: Mesh) -> SamplerState:
+def state_sharding(mesh: Mesh) -> SamplerState:
+    """The shardings of a ``SamplerState``'s arrays on ``mesh``: rows over data x fsdp, KV heads over tensor."""
     return SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1), batch_sharding(mesh, 2),
                         batch_sharding(mesh, 2))
 
@@ -237,12 +238,12 @@ def _state_sharding(mesh: Mesh) -> SamplerState:
 def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
     and ``decode`` donate the sampler state (the KV cache is updated in place, never copied)."""
-    state_sharding = None if mesh is None else _state_sharding(mesh)
+    shardings = None if mesh is None else state_sharding(mesh)
     return (jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
             jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
-            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=state_sharding),
-            jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=state_sharding),
-            jax.jit(forget, donate_argnums=(0,), out_shardings=state_sharding),
+            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=shardings),
+            jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=shardings),
+            jax.jit(forget, donate_argnums=(0,), out_shardings=shardings),
             {})  # programs compiled ahead of time (``Sampler.precompile``), by call signature
 
 
@@ -334,7 +335,7 @@ class Sampler:
         state = jax.eval_shape(lambda: init_state(self.cfg, self.slots, self.max_len))
         if self.mesh is not None:
             state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
-                                 _state_sharding(self.mesh))
+                                 state_sharding(self.mesh))
         extend_shapes, decode_windows = self.call_shapes()
         rows = (jax.random.split(jax.random.PRNGKey(0), self.slots), np.ones(self.slots, np.float32),
                 np.ones(self.slots, np.float32), np.zeros((self.slots, num_stop_tokens), np.int32),
