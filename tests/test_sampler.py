@@ -106,6 +106,22 @@ def test_inactive_rows_and_cache_full(model_params):
     assert int(state.lengths[1]) == 16 and int(out.num_tokens[1]) == 16 - len(PROMPTS[1])
 
 
+def test_a_call_ending_at_a_window_edge_below_the_capacity_is_not_a_full_cache(model_params):
+    """56 tokens + 8 new ones fill the 64-slot window exactly: the call ends at its token budget, not
+    with a full cache (the cache holds 256), and the next call goes on in the next window."""
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=256, max_new_tokens=8)
+    state = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
+    for call in range(2):
+        state, out = smp.decode(params, state, jax.random.PRNGKey(call), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
+        assert [S.STOP_REASONS[int(r)] for r in out.stop_reason] == ["max_new_tokens"] * 3
+    assert list(np.asarray(state.lengths)) == [72, 18, 17]
+    smp = S.Sampler(model.config, slots=3, max_len=64, max_new_tokens=8)  # at the cache's own end it is full
+    state = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
+    _, out = smp.decode(params, state, jax.random.PRNGKey(0), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
+    assert S.STOP_REASONS[int(out.stop_reason[0])] == "cache_full" and int(out.num_tokens[0]) == 8
+
+
 def test_samples_do_not_depend_on_slot_or_call_split(model_params):
     model, params = model_params
     keys = jax.random.split(jax.random.PRNGKey(5), 3)

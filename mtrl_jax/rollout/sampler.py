@@ -189,10 +189,13 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
         out_logp = out_logp.at[:, i].set(jnp.where(active, logp, 0.0))
         num_tokens = num_tokens + active
         is_stop = jnp.any(token[:, None] == stop_tokens, axis=-1)
-        full = state.lengths >= max_len
+        full = state.lengths >= max_len  # the window's end: no further token in this call
         last = (i + 1 >= max_new_tokens) | (num_tokens >= budget)
+        # a row that ends its tokens of this call exactly at the end of a window narrower than the cache
+        # is not full (the next call attends to a larger window); at the cache's end it is
+        out_of_room = full & (~last | (state.lengths >= state.cache.max_len))
         reason = jnp.where(active & is_stop, STOP_TOKEN,
-                           jnp.where(active & full, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
+                           jnp.where(active & out_of_room, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
         active = active & ~is_stop & ~full & ~last
         return i + 1, state, active, out_tokens, out_logp, num_tokens, reason
 
