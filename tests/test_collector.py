@@ -101,6 +101,7 @@ def test_trajectories_are_token_in_token_out(chat, model):
         assert traj.status in ("ok", "turn_token_limit")
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_slots_refill_and_tools_overlap_generation(chat, model):
     cfg, params = model
     env = EchoEnv(turns=2, delay=0.3)

@@ -102,6 +102,7 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     assert rows and all(line.endswith(("+0.0000 (+0.0%) |", "+0.0000 (n/a) |")) for line in rows), compare
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
     cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={tmp_path / 'out'}",
            f"--checkpoint={tmp_path / 'typo'}", *TINY]

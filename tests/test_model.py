@@ -170,6 +170,7 @@ def test_safetensors_writer_is_readable_by_the_safetensors_library(tmp_path):
 # ------------------------------------------------------------------ sharding
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_sharded_forward_and_grad_match_single_device():
     assert jax.device_count() >= 8, "conftest sets 8 fake CPU devices"
     tokens, mask, _ = reference("qwen3_untied")

@@ -91,6 +91,7 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
     assert summary_one["after"]["ndcg@10"] == pytest.approx(summary_two["after"]["ndcg@10"], abs=1e-6)
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_incomplete_multiprocess_flags_name_what_is_missing():
     result = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, "--workdir=/nonexistent/never",
                              "--num_processes=2"], cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=300)

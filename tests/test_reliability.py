@@ -236,6 +236,7 @@ def test_no_intact_checkpoint_and_non_finite_weights_are_errors(tmp_path):
         checkpoints.restore(_state(0))
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_a_second_run_on_a_locked_workdir_stops_and_a_stale_lock_is_taken_over(tmp_path):
     from mtrl_jax.checkpoint import WorkdirLock
 

@@ -124,6 +124,7 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
     assert max(jax.tree.leaves(moved)) > 1e-4
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_a_non_finite_step_is_skipped_and_counted():
     batch = _batch([1.0, 0.0, np.nan, 0.5])  # a NaN reward makes its group's advantages, so the loss, NaN
     params = init_params(CFG, jax.random.PRNGKey(1))
@@ -162,6 +163,7 @@ def test_warm_compiles_the_update_in_the_background():
     assert CompileCounter.since(mark)["compile/programs"] >= 1
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_the_update_writes_the_new_optimizer_state_over_the_old():
     """The optimizer state is donated (its buffers alias the new state's: no second copy of Adam's
     moments at the update's peak); the parameters are not, for the collector still samples with them."""
@@ -195,6 +197,7 @@ def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():
 
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_a_row_without_gradient_stays_in_the_baseline_but_its_tokens_do_not_count():
     """rl.truncation="mask": a failed row's loss mask is zeroed. Its tokens then change nothing in the
     update, while its reward still moves the other rows' group-relative advantages."""
