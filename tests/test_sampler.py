@@ -301,7 +301,10 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
 
     shared, computed, tokens_shared, decoded = run(4)
     plain, plain_computed, plain_shared, plain_decoded = run(0)
-    assert computed == [23 + 1 + 1 + 5, 2 + 1 + 3, 21] and tokens_shared == 22 + 20 + 20 + 20
+    # a row copies its shared prefix but for the last whole piece (8 tokens) of its block: the line it
+    # computes holds real tokens, not its last token alone (rows 1, 2: 22 and 20 shared, 15 and 13 copied;
+    # then rows 0 and 3: 20 shared, 14 and 15 copied)
+    assert computed == [23 + 8 + 8 + 5, 8 + 1 + 8, 21] and tokens_shared == 15 + 13 + 14 + 15
     assert plain_computed == [23 + 23 + 21 + 5, 22 + 1 + 23, 21] and plain_shared == 0
     np.testing.assert_array_equal(decoded, plain_decoded)
     for a, b in zip(shared, plain):

@@ -438,13 +438,21 @@ class Sampler:
             count = int(prefix[source])
             best = max(((_common(blocks[leader], block, n), leader) for leader in leaders), default=(0, -1))
             if best[0] >= count + self.min_shared:
-                later[row] = (best[1], best[0])
+                later[row] = (best[1], self._whole_pieces(len(block), best[0]))
                 continue
             leaders.append(row)
             if count >= self.min_shared:
-                pairs.append((source, row, count))
-                blocks[row] = block[count:]
+                count = self._whole_pieces(len(block), count)
+                if count:
+                    pairs.append((source, row, count))
+                    blocks[row] = block[count:]
         return blocks, pairs, later
+
+    def _whole_pieces(self, length: int, count: int) -> int:
+        """``count`` shared tokens of a ``length``-token block, cut so that the rest is whole pieces:
+        the extend lines it takes are as many, and hold real tokens instead of padding (a copied
+        prompt would otherwise leave its last token alone in a line)."""
+        return max(0, length - -(-(length - count) // self.piece) * self.piece)
 
     def _copy(self, state: SamplerState, pairs, lengths: np.ndarray) -> SamplerState:
         """``share_prefixes`` for ``(source, row, count)`` pairs (padded to ``slots``); advances ``lengths``."""
