@@ -437,8 +437,9 @@ class Sampler:
             source = row if prefix[row] == prefix.max() else int(prefix.argmax())  # its own entries first
             count = int(prefix[source])
             best = max(((_common(blocks[leader], block, n), leader) for leader in leaders), default=(0, -1))
-            if best[0] >= count + self.min_shared:
-                later[row] = (best[1], self._whole_pieces(len(block), best[0]))
+            copied = self._whole_pieces(len(block), best[0])
+            if best[0] >= count + self.min_shared and copied:  # nothing to copy: not worth waiting for the leader
+                later[row] = (best[1], copied)
                 continue
             leaders.append(row)
             if count >= self.min_shared:
