@@ -31,7 +31,7 @@ from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
-from mtrl_jax.rl.logprobs import sequence_logprobs
+from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 
 
@@ -234,6 +234,19 @@ def _assistant_turns(mask: Sequence[int]) -> int:
     return sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
 
 
+def common_prefix(demos: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
+    """The tokens every demonstration ``(tokens, loss mask)`` begins with, up to the first trained
+    token of any and leaving each at least one token (the system prompt on the default)."""
+    first = demos[0][0]
+    n = min(len(t) for t, _ in demos) - 1
+    for tokens, mask in demos:
+        k = 0
+        while k < n and tokens[k] == first[k] and not mask[k]:
+            k += 1
+        n = k
+    return [int(t) for t in first[:n]]
+
+
 def _pack(demos, length_multiple: int = 8):
     T = bucket(max(len(t) for t, _ in demos), length_multiple)
     return (pad_rows([t for t, _ in demos], T, np.int32), pad_rows([[1] * len(t) for t, _ in demos], T, np.int32),
@@ -259,7 +272,8 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
-                      should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512) -> WarmupProgress:
+                      should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512,
+                      share_prefix: bool = True) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
     exactly where it stopped).
@@ -273,8 +287,16 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     Whole demonstrations are grouped by length (multiples of ``full_bucket`` tokens): a full step
     draws a demonstration and fills its batch from the same group, so a few long tool responses
     (a large ``top_k``) do not pad every batch to their length. ``logprob_chunk``: as ``rl.logprob_chunk``.
+    With ``share_prefix``, the tokens every demonstration opens with (``common_prefix``: the system
+    prompt) are computed once per step instead of once per row (``shared_prefix_logprobs``: the same
+    loss and gradients); on the default they are more than half of a first-turn cut.
     """
     tx = warmup_optimizer(steps, learning_rate)
+    shared = np.asarray(common_prefix(demos) if share_prefix else [], np.int32)
+    P = len(shared)
+
+    def after_prefix(packed):  # the rows without the shared prefix's columns (computed once per step)
+        return tuple(x[:, P:] for x in packed)
 
     def grouped(cut):  # demonstrations cut by cut(tokens, mask), grouped by length (multiples of full_bucket)
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
@@ -282,17 +304,20 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         groups = {}
         for length in sorted(set(group_of)):
             members = [i for i, g in enumerate(group_of) if g == length]
-            groups[length] = np.array(members), _pack([cuts[i] for i in members], full_bucket)
+            groups[length] = np.array(members), after_prefix(_pack([cuts[i] for i in members], full_bucket))
         return group_of, groups
 
     full = grouped(len)
-    prefixes = _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])
+    prefixes = after_prefix(_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))
     # with demonstrations of more than two turns (the teacher's hops), every other step trains on them
     # cut after their second turn: the hop's call (copied from the first results) or the answer there
     two_turns = grouped(lambda m: _turn_end(m, 2)) if any(_assistant_turns(m) > 2 for _, m in demos) else None
 
     def loss_fn(params, tok, att, mask):
-        logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
+        if P:
+            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
+        else:
+            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
         return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @functools.partial(jax.jit, donate_argnums=(1,))  # the new optimizer state over the old (not the

@@ -68,3 +68,37 @@ def test_chunked_never_materialises_full_logits():
     chunked = temp_bytes(lambda *a: token_logprobs(*a, chunk_size=64))
     assert dense >= full
     assert chunked < full / 8, (chunked, full)
+
+
+@pytest.mark.parametrize("chunk", [4096, 8])
+def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(chunk):
+    """``shared_prefix_logprobs`` (the prefix as a one-row cache every row attends to) equals
+    ``sequence_logprobs`` of the whole right-padded rows at the columns after the prefix."""
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
+
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, qk_norm=True, tie_word_embeddings=True, attention_chunk=8)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    P, S, B = 9, 13, 4
+    prefix = rng.integers(0, 61, P).astype(np.int32)
+    rest = rng.integers(0, 61, (B, S)).astype(np.int32)
+    att = (np.arange(S)[None] < np.array([S, 5, 1, 11])[:, None]).astype(np.int32)  # right-padded, one row of 1 token
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (B, S)).astype(np.float32) * att)
+    whole = np.concatenate([np.broadcast_to(prefix, (B, P)), rest], axis=1)
+    whole_att = np.concatenate([np.ones((B, P), np.int32), att], axis=1)
+
+    def by_rows(p):
+        logp, entropy = sequence_logprobs(cfg, p, whole, whole_att, chunk_size=chunk)
+        return ((logp[:, P:] + 0.1 * entropy[:, P:]) * weights).sum(), logp[:, P:]
+
+    def shared(p):
+        logp, entropy = shared_prefix_logprobs(cfg, p, jnp.asarray(prefix), rest, att, chunk_size=chunk)
+        return ((logp + 0.1 * entropy) * weights).sum(), logp
+
+    (v1, logp1), g1 = jax.jit(jax.value_and_grad(by_rows, has_aux=True))(params)
+    (v2, logp2), g2 = jax.jit(jax.value_and_grad(shared, has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(logp2) * att, np.asarray(logp1) * att, atol=2e-5)
+    np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4), g1, g2)

@@ -226,3 +226,38 @@ def test_a_stopped_warmup_continues_exactly():
     resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
     assert resumed.step == 12 and resumed.losses == done.losses
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, done.params)
+
+
+def test_common_prefix_stops_before_the_first_trained_token_and_leaves_a_token():
+    from mtrl_jax.warmup import common_prefix
+
+    demos = [([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), ([1, 2, 3, 9], [0, 0, 0, 1]), ([1, 2, 3, 4, 6, 7], [0, 0, 1, 1, 1, 1])]
+    assert common_prefix(demos) == [1, 2]  # the third trains on its third token
+    assert common_prefix([([1, 2], [0, 0]), ([1, 2], [0, 1])]) == [1]  # each keeps a token
+    assert common_prefix([([4, 2], [0, 1]), ([5, 2], [0, 1])]) == []
+
+
+@pytest.mark.slow
+def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
+    """The system prompt every demonstration opens with is computed once per step: same losses and
+    parameters as computing it in every row (to float rounding)."""
+    import jax
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.warmup import common_prefix, supervised_warmup
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, tie_word_embeddings=True)
+    rng = np.random.default_rng(0)
+    system = list(rng.integers(10, 60, size=12))
+    demos = []
+    for i in range(24):  # the shared prompt, a question, a first turn, a tool block of two lengths, a last turn
+        question = list(rng.integers(10, 60, size=3 + i % 3))
+        block = list(rng.integers(10, 60, size=40 if i % 4 == 0 else 6))
+        demos.append((system + question + [7, 8, 9] + block + [5], [0] * (12 + len(question)) + [1] * 3 + [0] * len(block) + [1]))
+    assert common_prefix(demos) == system  # what the shared path computes once
+    common = dict(steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=16)
+    runs = [supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
+            for share in (True, False)]
+    np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5), runs[0].params, runs[1].params)

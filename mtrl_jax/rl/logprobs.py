@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.transformer import forward, head_kernel
+from mtrl_jax.model.transformer import KVCache, forward, head_kernel, init_cache
 
 
 def _logp_entropy(hidden, head, targets, temperature):
@@ -93,3 +93,27 @@ def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperat
     logp, entropy = token_logprobs(hidden[:, :-1], head_kernel(cfg, params), tokens[:, 1:], temperature, chunk_size)
     zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
+
+
+def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_mask, temperature=1.0,
+                           chunk_size: int = 512):
+    """``sequence_logprobs`` of rows that all begin with the same ``prefix [P]``, given only what
+    follows it, ``tokens [B, S]`` (right-padded, ``attention_mask [B, S]``): ``(logp, entropy)``
+    ``[B, S]`` of those tokens, the first predicted from the prefix's last position. Equal, values
+    and gradients, to ``sequence_logprobs`` of ``prefix + row`` at columns ``P`` onwards, but the
+    prefix (a system prompt every demonstration opens with) is computed once instead of once per
+    row: its keys and values, computed as a one-row cache, are what every row's continuation attends
+    to (the backward pass sums the rows' gradients through them)."""
+    P = prefix.shape[0]
+    B, S = tokens.shape
+    hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
+
+    def rows(x):  # [L, 1, P, K, H] -> [L, B, P + S, K, H]: the prefix for every row, then room for its own
+        x = jnp.broadcast_to(x, (x.shape[0], B) + x.shape[2:])
+        return jnp.concatenate([x, jnp.zeros(x.shape[:2] + (S,) + x.shape[3:], x.dtype)], axis=2)
+
+    hidden, _ = forward(cfg, params, tokens, attention_mask, KVCache(rows(cache.k), rows(cache.v)),
+                        jnp.full((B,), P, jnp.int32))
+    last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
+    return token_logprobs(jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens,
+                          temperature, chunk_size)
