@@ -17,6 +17,10 @@ def get_config():
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
     c.max_steps = 32  # 0: max_epochs * (train tasks // global_batch_size)
+    # JAX's persistent compilation cache: a later run (a rerun, another arm of an ablation, a resumed
+    # run) loads the programs an earlier one compiled instead of compiling them again, which is minutes
+    # of CPU on the default; "" = off; JAX_COMPILATION_CACHE_DIR, when set, wins
+    c.compilation_cache_dir = "~/.cache/mtrl_jax/xla"
 
     c.model = config_dict.ConfigDict()
     c.model.checkpoint = ""  # a local HF directory; empty: the tiny model below, randomly initialised

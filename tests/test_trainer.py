@@ -286,3 +286,22 @@ def test_a_second_run_on_the_same_workdir_stops_at_once(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+@pytest.mark.slow
+def test_a_run_writes_its_compiled_programs_to_the_compilation_cache(tmp_path):
+    """``compilation_cache_dir`` turns on JAX's persistent cache (the test session's own cache,
+    JAX_COMPILATION_CACHE_DIR, is taken out of this run's environment): the run leaves its programs
+    there, and a second run of the same config loads them instead of compiling them again."""
+    cache = tmp_path / "xla cache"
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("JAX_PERSISTENT_CACHE") and k != "JAX_COMPILATION_CACHE_DIR"}
+    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", *SMALL, "--config.max_steps=1",
+           f"--config.compilation_cache_dir={cache}"]
+    first = subprocess.run(cmd + [f"--workdir={tmp_path / 'first'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    programs = sorted(p.name for p in cache.iterdir())
+    assert any(name.startswith("jit_step_fn-") for name in programs), programs  # the update
+    second = subprocess.run(cmd + [f"--workdir={tmp_path / 'second'}"], cwd=REPO, env=dict(env, JAX_LOG_COMPILES="1"),
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "Persistent compilation cache hit for 'jit_step_fn'" in second.stdout + second.stderr
