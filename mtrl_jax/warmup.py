@@ -269,6 +269,29 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
         optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
 
 
+def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
+    """The jitted warm-up step ``(params, opt_state, tokens, attention, loss_mask) -> (params,
+    opt_state, loss)``: mean cross-entropy on the loss-mask tokens. With a non-empty ``shared``
+    prefix the rows are what follows it, and it is computed once (``shared_prefix_logprobs``).
+    The optimizer state is donated; the parameters are not (the caller's may be published)."""
+    P = len(shared)
+
+    def loss_fn(params, tok, att, mask):
+        if P:
+            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
+        else:
+            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
+        return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, opt_state, tok, att, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
@@ -313,19 +336,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     # cut after their second turn: the hop's call (copied from the first results) or the answer there
     two_turns = grouped(lambda m: _turn_end(m, 2)) if any(_assistant_turns(m) > 2 for _, m in demos) else None
 
-    def loss_fn(params, tok, att, mask):
-        if P:
-            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
-        else:
-            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
-        return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))  # the new optimizer state over the old (not the
-    def step(params, opt_state, tok, att, mask):       # parameters: the caller's may be published)
-        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = warmup_step(model_cfg, tx, shared, logprob_chunk)
     rng = np.random.default_rng(seed)
     if resume is None:
         opt_state, start, losses = on_mesh(tx.init(params), mesh), 0, []
@@ -351,11 +362,10 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     return WarmupProgress(params, opt_state, steps, rng.bit_generator.state, losses)
 
 
-def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = None,
-            should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
-    """The embedded default's warm-up of ``params`` (``components.warmup`` settings): the scripted
-    teacher's demonstrations of every training task and its augmented variants, rendered through the
-    episode driver (the same, seeded, on every call), then ``supervised_warmup``."""
+def demonstrations(components) -> list[tuple[list[int], list[int]]]:
+    """The scripted teacher's ``(tokens, loss mask)`` demonstrations of every training task and its
+    augmented variants (``components.warmup`` settings), rendered through the episode driver; the
+    same, seeded, on every call."""
     cfg = components.warmup
     rng = np.random.default_rng(components.run.seed)
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
@@ -366,6 +376,16 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop, np.array(cfg.hop_tool_probs))
             demos.append(demonstration_tokens(driver, variant, policy))
+    return demos
+
+
+def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = None,
+            should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+    """The embedded default's warm-up of ``params`` (``components.warmup`` settings): the scripted
+    teacher's demonstrations of every training task and its augmented variants, rendered through the
+    episode driver (the same, seeded, on every call), then ``supervised_warmup``."""
+    cfg = components.warmup
+    demos = demonstrations(components)
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
