@@ -70,6 +70,7 @@ def test_chunked_never_materialises_full_logits():
     assert chunked < full / 8, (chunked, full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4096, 8])
 def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(chunk):
     """``shared_prefix_logprobs`` (the prefix as a one-row cache every row attends to) equals
