@@ -289,19 +289,28 @@ def test_a_second_run_on_the_same_workdir_stops_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_writes_its_compiled_programs_to_the_compilation_cache(tmp_path):
-    """``compilation_cache_dir`` turns on JAX's persistent cache (the test session's own cache,
-    JAX_COMPILATION_CACHE_DIR, is taken out of this run's environment): the run leaves its programs
-    there, and a second run of the same config loads them instead of compiling them again."""
+def test_compilation_cache_dir_turns_on_the_persistent_cache(tmp_path):
+    """``setup.use_compilation_cache`` (what ``build`` calls first) points JAX's persistent cache at
+    ``compilation_cache_dir``: a first process leaves its program there, a second loads it instead of
+    compiling it. Subprocesses without the test session's own cache (JAX_COMPILATION_CACHE_DIR)."""
     cache = tmp_path / "xla cache"
+    program = (
+        "import jax, jax.numpy as jnp\n"
+        "from configs.default import get_config\n"
+        "from mtrl_jax.setup import use_compilation_cache\n"
+        "config = get_config()\n"
+        "config.unlock()\n"
+        f"config.compilation_cache_dir = {str(cache)!r}\n"
+        f"assert use_compilation_cache(config) == {str(cache)!r}\n"
+        "def total(x):\n"
+        "    return jnp.tanh(x @ x).sum()\n"
+        "print(float(jax.jit(total)(jnp.ones((64, 64)))))\n")
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("JAX_PERSISTENT_CACHE") and k != "JAX_COMPILATION_CACHE_DIR"}
-    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", *SMALL, "--config.max_steps=1",
-           f"--config.compilation_cache_dir={cache}"]
-    first = subprocess.run(cmd + [f"--workdir={tmp_path / 'first'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    programs = sorted(p.name for p in cache.iterdir())
-    assert any(name.startswith("jit_step_fn-") for name in programs), programs  # the update
-    second = subprocess.run(cmd + [f"--workdir={tmp_path / 'second'}"], cwd=REPO, env=dict(env, JAX_LOG_COMPILES="1"),
-                            capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "Persistent compilation cache hit for 'jit_step_fn'" in second.stdout + second.stderr
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # this tiny program compiles in well under 0.2 s
+    runs = [subprocess.run([sys.executable, "-c", program], cwd=REPO, env=dict(env, JAX_LOG_COMPILES="1"), capture_output=True,
+                           text=True, timeout=120) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert any(p.name.startswith("jit_total-") for p in cache.iterdir()), sorted(p.name for p in cache.iterdir())
+    assert "Persistent compilation cache hit for 'jit_total'" not in runs[0].stderr
+    assert "Persistent compilation cache hit for 'jit_total'" in runs[1].stderr
