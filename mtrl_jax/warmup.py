@@ -381,9 +381,7 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
 
 def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = None,
             should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
-    """The embedded default's warm-up of ``params`` (``components.warmup`` settings): the scripted
-    teacher's demonstrations of every training task and its augmented variants, rendered through the
-    episode driver (the same, seeded, on every call), then ``supervised_warmup``."""
+    """The embedded default's warm-up of ``params``: ``supervised_warmup`` on ``demonstrations``."""
     cfg = components.warmup
     demos = demonstrations(components)
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
