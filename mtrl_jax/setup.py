@@ -76,6 +76,7 @@ class WarmupSettings:
     top_k_probs: tuple[float, ...]
     hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
     hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
+    share_prefix: bool = True  # the prompt every demonstration opens with computed once per step (warmup.share_prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +316,8 @@ def _warmup_settings(config) -> Optional[WarmupSettings]:
     return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
                           tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
                           top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop,
-                          hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()))
+                          hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
+                          share_prefix=bool(w.share_prefix))
 
 
 def use_compilation_cache(config) -> Optional[str]:

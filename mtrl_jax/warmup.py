@@ -317,6 +317,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     tx = warmup_optimizer(steps, learning_rate)
     shared = np.asarray(common_prefix(demos) if share_prefix else [], np.int32)
     P = len(shared)
+    if log and P:
+        log(f"warm-up: the {P} tokens every demonstration opens with are computed once per step")
 
     def after_prefix(packed):  # the rows without the shared prefix's columns (computed once per step)
         return tuple(x[:, P:] for x in packed)
@@ -388,4 +390,4 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
                              seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
-                             logprob_chunk=components.updater.config.logprob_chunk)
+                             logprob_chunk=components.updater.config.logprob_chunk, share_prefix=cfg.share_prefix)

@@ -16,9 +16,10 @@ from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
-        "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.data.max_eval_tasks=3",
-        "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0",
-        "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=1",
+        "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.warmup.share_prefix=False",
+        "--config.data.max_eval_tasks=3", "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False",
+        "--config.rollout.tool_workers=0", "--config.log.progress=False", "--config.model.tiny_layers=1",
+        "--config.rl.mini_batches=1",
         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
         "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
         "--config.optim.warmup_steps=0", "--config.rollout.precompile=False"]

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,10 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
          # small batches: one micro-batch, one length branch (a quick compile)
          "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
          # a few steps need few of the extend / decode shapes: compiled as met (test_greedy_rollouts... precompiles)
-         "--config.rollout.precompile=False"]
+         "--config.rollout.precompile=False",
+         # the warm-up's shared-prompt step is another program per shape to compile (13 s more in the SIGTERM
+         # test's 150 steps); test_greedy_rollouts_train_without_nan runs it, tests/test_warmup.py checks it
+         "--config.warmup.share_prefix=False"]
 
 
 def _run(workdir, *extra, config="configs/default.py", wait=True):
@@ -244,26 +248,28 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
 
 @pytest.mark.slow
 def test_sigterm_during_warmup_saves_it_and_resume_continues(tmp_path):
-    args = ["--config.warmup.steps=150", "--config.warmup.batch_size=4", "--config.max_steps=1"]
+    args = ["--config.warmup.steps=100", "--config.warmup.batch_size=4", "--config.max_steps=1"]
     proc = _run(tmp_path, *args, wait=False)
     for line in proc.stdout:  # wait until the warm-up is under way
-        if "warm-up step 50/150" in line:
+        if "warm-up step 50/100" in line:
             break
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 143 and "SIGTERM: warm-up progress written at step" in out, out[-2000:]
     saved = json.loads((tmp_path / "warmup/progress.json").read_text())
-    assert 50 <= saved["step"] < 150 and len(saved["losses"]) == saved["step"]
+    assert 50 <= saved["step"] < 100 and len(saved["losses"]) == saved["step"]
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
     out = _run(tmp_path, *args)
     assert f"continuing at step {saved['step']}" in out and "[after RL] validation" in out
-    assert json.loads((tmp_path / "warmup/progress.json").read_text())["step"] == 150
+    assert json.loads((tmp_path / "warmup/progress.json").read_text())["step"] == 100
 
 
 @pytest.mark.slow
 def test_greedy_rollouts_train_without_nan(tmp_path):
     # with every extend / decode shape compiled in the background (the default), stopped at the end
-    _run(tmp_path, "--config.rollout.temperature=0", "--config.max_steps=2", "--config.rollout.precompile=True")
+    out = _run(tmp_path, "--config.rollout.temperature=0", "--config.max_steps=2", "--config.rollout.precompile=True",
+               "--config.warmup.share_prefix=True")  # and the default's warm-up, the shared prompt computed once per step
+    assert re.search(r"warm-up: the [1-9]\d* tokens every demonstration opens with are computed once per step", out)
     state, _ = _final_state(tmp_path, 2)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

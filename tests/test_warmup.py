@@ -256,7 +256,7 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
         block = list(rng.integers(10, 60, size=40 if i % 4 == 0 else 6))
         demos.append((system + question + [7, 8, 9] + block + [5], [0] * (12 + len(question)) + [1] * 3 + [0] * len(block) + [1]))
     assert common_prefix(demos) == system  # what the shared path computes once
-    common = dict(steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=16)
+    common = dict(steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=64)  # one whole-row shape
     runs = [supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
             for share in (True, False)]
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=2e-5)
