@@ -17,12 +17,12 @@ from envs import subprocess_env
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
         "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.warmup.share_prefix=False",
-        "--config.data.max_eval_tasks=3", "--config.checkpoint.every_steps=1", "--config.rollout.asynchronous=False",
-        "--config.rollout.tool_workers=0", "--config.log.progress=False", "--config.model.tiny_layers=1",
-        "--config.rl.mini_batches=1",
-        "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24", "--config.max_steps=2",
-        "--config.model.mesh_shape=(-1,1,1)", "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
-        "--config.optim.warmup_steps=0", "--config.rollout.precompile=False"]
+        "--config.warmup.augment=0", "--config.data.max_eval_tasks=3", "--config.checkpoint.every_steps=1",
+        "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0", "--config.log.progress=False",
+        "--config.model.tiny_layers=1", "--config.rl.mini_batches=1", "--config.rollout.max_tokens_per_turn=24",
+        "--config.rollout.decode_chunk=24", "--config.max_steps=2", "--config.model.mesh_shape=(-1,1,1)",
+        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512", "--config.optim.warmup_steps=0",
+        "--config.rollout.precompile=False"]
 # One mini-batch: the first RL step's advantages are all 0, and only a first mini-batch is computed exactly
 # (train_step.update_step); a later one's ~1-ulp KL noise, which differs between device layouts, Adam turns
 # into a full-size step, so two mini-batches made the 2x4 and 1x8 runs differ by 6e-4 after the synthetic

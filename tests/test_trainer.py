@@ -25,9 +25,11 @@ SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--con
          "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
          # a few steps need few of the extend / decode shapes: compiled as met (test_greedy_rollouts... precompiles)
          "--config.rollout.precompile=False",
-         # the warm-up's shared-prompt step is another program per shape to compile (13 s more in the SIGTERM
-         # test's 150 steps); test_greedy_rollouts_train_without_nan runs it, tests/test_warmup.py checks it
-         "--config.warmup.share_prefix=False"]
+         # the warm-up's shared-prompt step is another program per shape to compile (13 s more in a 150-step
+         # warm-up); test_greedy_rollouts_train_without_nan runs it, tests/test_warmup.py checks it
+         "--config.warmup.share_prefix=False",
+         # the demonstrations of the training questions only, not 3 rewritten copies too (4x fewer to render)
+         "--config.warmup.augment=0"]
 
 
 def _run(workdir, *extra, config="configs/default.py", wait=True):
