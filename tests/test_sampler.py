@@ -106,6 +106,7 @@ def test_inactive_rows_and_cache_full(model_params):
     assert int(state.lengths[1]) == 16 and int(out.num_tokens[1]) == 16 - len(PROMPTS[1])
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_a_call_ending_at_a_window_edge_below_the_capacity_is_not_a_full_cache(model_params):
     """56 tokens + 8 new ones fill the 64-slot window exactly: the call ends at its token budget, not
     with a full cache (the cache holds 256), and the next call goes on in the next window."""
@@ -212,6 +213,7 @@ def test_extend_calls_pad_at_most_a_quarter_of_their_lines_where_splitting_saves
         assert sum(sizes) - n <= max(7, 0.25 * sum(sizes))  # padding: at most a quarter, or what 8 lines leave
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_bucketed_shapes_reuse_compiled_programs(model_params):
     model, params = model_params
     smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3, piece=16)  # shapes no other test compiles

@@ -409,6 +409,7 @@ def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
 # ------------------------------------------------------------------ published figures on real collections
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 @pytest.mark.parametrize("name,minimum", [("scifact", 0.66), ("cranfield", 0.35)])
 def test_bm25_reproduces_published_ndcg(shared_data, name, minimum):
     from mtrl_jax.search.baselines import evaluate_retrieval

@@ -127,6 +127,7 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
     assert meta["rl_step"] == steps[-1]
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_overrides_and_typos():
     cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", "--config.rl.lossy=ppo"]
     result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
