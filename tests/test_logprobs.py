@@ -71,7 +71,7 @@ def test_chunked_never_materialises_full_logits():
 
 
 @pytest.mark.slow
-def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whole_rows(chunk=8):
+def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whole_rows():
     """``shared_prefix_logprobs`` (the prefix as a one-row cache every row attends to) equals
     ``sequence_logprobs`` of the whole right-padded rows at the columns after the prefix (log-probs
     in chunks of 8 tokens; the warm-up's equivalence test covers the one-chunk path)."""
@@ -91,11 +91,11 @@ def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whol
     whole_att = np.concatenate([np.ones((B, P), np.int32), att], axis=1)
 
     def by_rows(p):
-        logp, entropy = sequence_logprobs(cfg, p, whole, whole_att, chunk_size=chunk)
+        logp, entropy = sequence_logprobs(cfg, p, whole, whole_att, chunk_size=8)
         return ((logp[:, P:] + 0.1 * entropy[:, P:]) * weights).sum(), logp[:, P:]
 
     def shared(p):
-        logp, entropy = shared_prefix_logprobs(cfg, p, jnp.asarray(prefix), rest, att, chunk_size=chunk)
+        logp, entropy = shared_prefix_logprobs(cfg, p, jnp.asarray(prefix), rest, att, chunk_size=8)
         return ((logp + 0.1 * entropy) * weights).sum(), logp
 
     (v1, logp1), g1 = jax.jit(jax.value_and_grad(by_rows, has_aux=True))(params)
