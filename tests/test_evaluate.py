@@ -72,7 +72,9 @@ def test_comparison_table():
 
 TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",
         "--config.rollout.decode_chunk=8", "--config.model.tiny_layers=1", "--config.rollout_max_concurrency=8",
-        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512"]
+        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
+        # the shapes a few steps meet, compiled as met (tests/test_trainer.py's greedy run precompiles them all)
+        "--config.rollout.precompile=False"]
 
 
 @pytest.mark.slow
