@@ -41,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--slots", type=int, default=128, help="rollout_max_concurrency")
     p.add_argument("--max_tokens_per_turn", type=int, default=256)
+    p.add_argument("--max_len", type=int, default=2048, help="context tokens per episode (rollout.max_len); the update "
+                   "compiles one length branch per 512 of them")
+    p.add_argument("--precompile", type=int, default=1, choices=(0, 1),
+                   help="1: compile every sampler shape in the background (rollout.precompile); 0: as met")
     p.add_argument("--micro_batches", type=int, default=4, help="rl.micro_batches (gradient accumulation)")
     p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor; -1 takes the remaining devices")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
@@ -89,9 +93,10 @@ def main(argv=None):
     config.max_steps, config.global_batch_size, config.rollout_max_concurrency = args.steps, args.prompts, args.slots
     config.rollout.group_size = args.group_size
     config.rollout.max_tokens_per_turn = config.rollout.decode_chunk = args.max_tokens_per_turn
-    config.rollout.max_len = 2048
+    config.rollout.max_len = args.max_len
+    config.rollout.precompile = bool(args.precompile)
     config.rollout.asynchronous = False  # sampling and training timed apart
-    config.rl.length_bucket = 512  # 4 length branches up to max_len 2048
+    config.rl.length_bucket = 512  # a length branch per 512 tokens: 4 at the default max_len 2048
     config.rl.kl_coef = 0.0
     config.rl.micro_batches = args.micro_batches
     config.model.mesh_shape = tuple(int(x) for x in args.mesh.split(","))

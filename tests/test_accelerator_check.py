@@ -18,10 +18,12 @@ TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_si
 def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
     model = tmp_path / "tiny.json"
     model.write_text(json.dumps(TINY))
+    # one length branch (--max_len 512) and the sampler shapes compiled as met: 25 s instead of 76 s
     env = subprocess_env()
     result = subprocess.run(["bash", "scripts/accelerator_check.sh", "--model", str(model), "--steps", "2", "--prompts", "2",
                              "--group_size", "2", "--slots", "4", "--max_tokens_per_turn", "16", "--mesh", "1,1,1",
-                             "--dtype", "float32", "--micro_batches", "1", "--peak_tflops", "1", "--workdir", str(tmp_path / "w")],
+                             "--dtype", "float32", "--micro_batches", "1", "--peak_tflops", "1",
+                             "--max_len", "512", "--precompile", "0", "--workdir", str(tmp_path / "w")],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
