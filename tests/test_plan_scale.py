@@ -16,19 +16,26 @@ SHAPE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_s
 
 
 def _plan(tmp_path, *extra):
+    """Start ``scripts/plan_scale.py``; ``_result`` waits for it and reads its JSON line."""
     model = tmp_path / "shape.json"
     model.write_text(json.dumps(SHAPE))
     env = subprocess_env()  # plan_scale.py sets its own --devices
-    result = subprocess.run([sys.executable, "scripts/plan_scale.py", "--model", str(model), "--json", *extra], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "scripts/plan_scale.py", "--model", str(model), "--json", *extra], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_plan_reports_per_device_memory_and_flops(tmp_path):
-    one = _plan(tmp_path, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128")
-    eight = _plan(tmp_path, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update")
+    # the two plans compile their programs side by side (each compile is one thread)
+    plans = [_plan(tmp_path, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
+             _plan(tmp_path, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update")]
+    one, eight = [_result(p) for p in plans]
     n = one["params"]
     assert n == 512 * 256 * 2 + 4 * (256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 3 * 256 * 768 + 2 * 256 + 2 * 64) + 256
     assert "decode" not in eight  # --only update compiles one program
