@@ -173,7 +173,7 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     out = _run(tmp_path / "run", f"--config.model.checkpoint={ckpt}", "--config.model.param_dtype=float32",
                "--config.model.dtype=float32", "--config.model.mesh_shape=(1,1,1)",
                f"--config.data.folders={shared_data / 'cranfield'}", "--config.search.cache_dir=",
-               "--config.max_steps=2", "--config.rollout.max_len=2048", "--config.rl.micro_batches=1",
+               "--config.max_steps=2", "--config.rollout.max_len=1024", "--config.rl.micro_batches=1",
                "--config.rl.length_bucket=1024", "--config.eval.every_steps=0", "--config.model.remat=False",
                config="configs/qwen3_search.py")
     summary = json.loads((tmp_path / "run/summary.json").read_text())
