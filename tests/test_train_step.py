@@ -142,7 +142,8 @@ def test_warm_compiles_the_update_in_the_background():
     from mtrl_jax.metrics import CompileCounter
 
     params = init_params(CFG, jax.random.PRNGKey(1))
-    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), micro_batches=2, length_bucket=4),
+    # length_bucket 16: one length branch per program (this test is about when it is compiled, not its branches)
+    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), micro_batches=2, length_bucket=16),
                       optax.sgd(0.1))
     state = updater.init_state(params, jax.random.PRNGKey(0))
     batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
