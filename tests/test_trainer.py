@@ -17,12 +17,15 @@ from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--config.rollout_max_concurrency=4",
-         "--config.warmup.steps=2", "--config.data.max_eval_tasks=2", "--config.checkpoint.every_steps=1",
+         "--config.warmup.steps=2", "--config.checkpoint.every_steps=1",
          "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0", "--config.rollout.max_staleness=0",
          "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=1",
          "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
          # small batches: one micro-batch, one length branch (a quick compile)
          "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
+         # as many evaluation episodes as a step's (2 x 2): the evaluation runs on the step's programs, not
+         # programs of its own (2-3 s less per run)
+         "--config.data.max_eval_tasks=4",
          # a few steps need few of the extend / decode shapes: compiled as met (test_greedy_rollouts... precompiles)
          "--config.rollout.precompile=False",
          # the warm-up's shared-prompt step is another program per shape to compile (13 s more in a 150-step
@@ -108,23 +111,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     view = subprocess.run([sys.executable, "scripts/show_trajectories.py", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert view.returncode == 0 and "assistant:" in view.stdout and "advantage" in view.stdout
-
-
-@pytest.mark.slow
-def test_sigterm_writes_a_checkpoint(tmp_path):
-    proc = _run(tmp_path, "--config.max_steps=40", "--config.checkpoint.every_steps=100", wait=False)
-    _wait_for_checkpoint(tmp_path, 0, proc)  # the pre-RL checkpoint
-    deadline = time.time() + 600
-    metrics = tmp_path / "metrics.jsonl"
-    while not metrics.exists() and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode != 0 and "SIGTERM: checkpoint written" in out, out[-2000:]
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps[-1] >= 1
-    _, meta = _final_state(tmp_path, steps[-1])
-    assert meta["rl_step"] == steps[-1]
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
@@ -250,8 +236,11 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
 
 
 @pytest.mark.slow
-def test_sigterm_during_warmup_saves_it_and_resume_continues(tmp_path):
-    args = ["--config.warmup.steps=100", "--config.warmup.batch_size=4", "--config.max_steps=1"]
+def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
+    """SIGTERM during the warm-up writes its progress (no checkpoint yet), and the next run continues
+    it; SIGTERM during RL writes a checkpoint of the step reached."""
+    args = ["--config.warmup.steps=100", "--config.warmup.batch_size=4", "--config.max_steps=40",
+            "--config.checkpoint.every_steps=100"]
     proc = _run(tmp_path, *args, wait=False)
     for line in proc.stdout:  # wait until the warm-up is under way
         if "warm-up step 50/100" in line:
@@ -262,9 +251,22 @@ def test_sigterm_during_warmup_saves_it_and_resume_continues(tmp_path):
     saved = json.loads((tmp_path / "warmup/progress.json").read_text())
     assert 50 <= saved["step"] < 100 and len(saved["losses"]) == saved["step"]
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
-    out = _run(tmp_path, *args)
-    assert f"continuing at step {saved['step']}" in out and "[after RL] validation" in out
+
+    proc = _run(tmp_path, *args, wait=False)  # the warm-up continues, then RL starts and is stopped
+    _wait_for_checkpoint(tmp_path, 0, proc)  # the pre-RL checkpoint
+    deadline = time.time() + 600
+    metrics = tmp_path / "metrics.jsonl"
+    while not metrics.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=600)[0]
+    assert f"continuing at step {saved['step']}" in out, out[-2000:]
     assert json.loads((tmp_path / "warmup/progress.json").read_text())["step"] == 100
+    assert proc.returncode != 0 and "SIGTERM: checkpoint written" in out, out[-2000:]
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] >= 1
+    _, meta = _final_state(tmp_path, steps[-1])
+    assert meta["rl_step"] == steps[-1]
 
 
 @pytest.mark.slow
