@@ -272,6 +272,7 @@ def test_precompiled_programs_serve_every_call_shape(model_params):
         np.testing.assert_allclose(ha, hb, atol=1e-6)
 
 
+@pytest.mark.slow  # kept out of the quick subset (its own share programs); the collector's sharing test stays in it
 def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model_params):
     """A row starting a new sequence takes the prefix of its block the cache already holds (in a row
     computed first in the same call, its own stale entries, another row's), only if computed with
