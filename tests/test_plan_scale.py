@@ -15,10 +15,8 @@ SHAPE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_s
          "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False, "max_position_embeddings": 4096}
 
 
-def _plan(tmp_path, *extra):
-    """Start ``scripts/plan_scale.py``; ``_result`` waits for it and reads its JSON line."""
-    model = tmp_path / "shape.json"
-    model.write_text(json.dumps(SHAPE))
+def _plan(model, *extra):
+    """Start ``scripts/plan_scale.py`` on the shape file ``model``; ``_result`` waits for it and reads its JSON line."""
     env = subprocess_env()  # plan_scale.py sets its own --devices
     return subprocess.Popen([sys.executable, "scripts/plan_scale.py", "--model", str(model), "--json", *extra], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -32,9 +30,11 @@ def _result(proc):
 
 @pytest.mark.slow
 def test_plan_reports_per_device_memory_and_flops(tmp_path):
+    model = tmp_path / "shape.json"
+    model.write_text(json.dumps(SHAPE))
     # the two plans compile their programs side by side (each compile is one thread)
-    plans = [_plan(tmp_path, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
-             _plan(tmp_path, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update")]
+    plans = [_plan(model, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
+             _plan(model, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update")]
     one, eight = [_result(p) for p in plans]
     n = one["params"]
     assert n == 512 * 256 * 2 + 4 * (256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 3 * 256 * 768 + 2 * 256 + 2 * 64) + 256
