@@ -1,0 +1,77 @@
+"""Does a policy copy an identifier out of search results? The step a second search (the hop) needs.
+
+    python scripts/probe_hop_copy.py --workdir workdirs/default --config=configs/default.py [--config.x=y ...]
+
+Pass the run's own config and overrides (the held-out tasks, the tokenizer in the work directory
+and the scripted teacher come from them). It probes the run's warmed-up policy (the KL reference
+RL started from) and its latest checkpoint, on hop cases of the held-out tasks: the scripted
+teacher's episode with its hop forced, cut after the second search's call (``mtrl_jax/probes.py``).
+Per task type it prints the teacher-forced accuracy on the identifier's tokens after its first and
+the share copied whole, and what the policy itself writes after the first search's results (greedy):
+a call, a call on an identifier shown, an answer. ``--out FILE`` writes the figures as JSON.
+"""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from mtrl_jax.checkpoint import Checkpoints
+from mtrl_jax.evaluate import restore_params
+from mtrl_jax.probes import forced_hop_teacher, hop_cases, model_logits, probe_hop_copy
+from mtrl_jax.rollout.interfaces import EpisodeDriver
+from mtrl_jax.setup import build
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "the run's ml_collections config", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "the training work directory", required=True)
+_PER_TASK = flags.DEFINE_integer("per_task", 2, "hop cases drawn per held-out task")
+_OUT = flags.DEFINE_string("out", None, "write the figures here as JSON")
+
+COLUMNS = ("cases", "id_token_accuracy", "id_exact", "greedy_call", "greedy_shown", "greedy_answer")
+
+
+def policies(workdir: pathlib.Path, components) -> dict:
+    """``{"warmed-up": params, "trained": params}``, each when the work directory has it."""
+    out = {}
+    checkpoints = Checkpoints(workdir)
+    try:
+        if checkpoints.reference_path.exists():
+            out["warmed-up"] = checkpoints.restore_reference(components.params)
+    finally:
+        checkpoints.close()
+    if (workdir / "checkpoints").is_dir() and any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir()):
+        out["trained"] = restore_params(workdir, components)
+    if not out:
+        raise FileNotFoundError(f"{workdir}: neither a warmed-up policy ({workdir / 'reference'}, saved when rl.kl_coef > 0) "
+                                f"nor a checkpoint ({workdir / 'checkpoints'})")
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    workdir = pathlib.Path(_WORKDIR.value)
+    components = build(_CONFIG.value, workdir, train_tokenizer_if_missing=False)
+    driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
+    rng = np.random.default_rng(_CONFIG.value.seed + 5)
+    cases = hop_cases(driver, components.val_tasks, forced_hop_teacher(components.warmup, rng), _PER_TASK.value)
+    print(f"{len(cases)} hop cases from {len(components.val_tasks)} held-out tasks")
+    results = {}
+    for name, params in policies(workdir, components).items():
+        params = jax.device_get(params)
+        results[name] = probe_hop_copy(cases, model_logits(components.model_cfg, params), components.chat,
+                                       components.collector.max_len, components.collector.max_tokens_per_turn)
+        print(f"\n{name} policy\n| task type | " + " | ".join(COLUMNS) + " |\n" + "|---" * (len(COLUMNS) + 1) + "|")
+        for kind, m in results[name].items():
+            print(f"| {kind} | {m['cases']} | " + " | ".join(f"{m[c]:.3f}" for c in COLUMNS[1:]) + " |")
+    if _OUT.value:
+        pathlib.Path(_OUT.value).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
