@@ -103,8 +103,9 @@ def probe_hop_copy(cases: Sequence[HopCase], logits: Callable, chat: ChatFormat,
     ``greedy_call``, ``greedy_shown`` and ``greedy_answer`` (shares of the cases)."""
     if not cases:
         raise ValueError("no hop cases: the held-out tasks' first searches showed no identifier")
-    if max(len(c.tokens) for c in cases) > max_len:
-        raise ValueError(f"a hop case is longer than max_len={max_len}")
+    for c in cases:
+        if len(c.tokens) > max_len:
+            raise ValueError(f"hop case of {c.task_id}: {len(c.tokens)} tokens, longer than max_len={max_len}")
     N = len(cases)
     grid = np.zeros((N, max_len), np.int32)
     for i, c in enumerate(cases):

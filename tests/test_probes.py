@@ -98,10 +98,13 @@ def test_a_miscopying_policy_calls_but_not_on_a_shown_identifier(setting):
     assert 0.5 < result["id_token_accuracy"] < 1.0 and result["id_exact"] < 0.2
 
 
-def test_the_probe_refuses_no_cases(setting):
+def test_the_probe_refuses_no_cases_and_cases_longer_than_the_context(setting):
     chat, _ = setting
     with pytest.raises(ValueError, match="no hop cases"):
         probe_hop_copy([], None, chat, MAX_LEN, 48)
+    _, cases = setting
+    with pytest.raises(ValueError, match=f"hop case of {cases[0].task_id}: {len(cases[0].tokens)} tokens, longer than max_len=10"):
+        probe_hop_copy(cases, None, chat, 10, 48)
 
 
 def test_model_logits_are_the_forward_pass_logits_at_the_positions():
