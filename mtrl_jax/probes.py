@@ -12,16 +12,18 @@ and the call's query is one identifier drawn among those shown. Two measures, pe
   ``rollout.max_tokens_per_turn`` tokens): a tool call, a call whose query is one of the identifiers
   shown, or an answer.
 
-``probe_hop_copy`` takes the policy as a function ``logits(tokens [N, L], valid [N, L], positions
-[N, P]) -> [N, P, V]`` (the next-token logits at those positions)
-so that the measures are tested with a scripted oracle (``tests/test_probes.py``);
-``model_logits`` is that function for policy parameters. ``scripts/probe_hop_copy.py`` runs it on a
+``probe_hop_copy`` takes the policy as an object with ``logits(tokens [N, L], valid [N, L],
+positions [N, P]) -> [N, P, V]`` (the next-token logits at those positions) and ``greedy(prompts,
+stop_id, max_new_tokens)`` (each prompt's greedy continuation, the stop token included), so that
+the measures are tested with scripted policies (``tests/test_probes.py``); ``ModelPolicy`` is that
+object for policy parameters (the sampler's ``prefill`` and ``decode`` for the greedy turns). ``scripts/probe_hop_copy.py`` runs it on a
 training work directory's warmed-up and trained policies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -31,6 +33,7 @@ import numpy as np
 from mtrl_jax.chat import ChatFormat, parse_answer, parse_tool_calls
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.transformer import forward, logits_from_hidden
+from mtrl_jax.rollout import sampler
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 from mtrl_jax.warmup import _assistant_turns, _turn_end, result_identifiers, teacher_turns
 
@@ -96,9 +99,8 @@ def forced_hop_teacher(settings, rng: np.random.Generator) -> Callable[[], Calla
                                  np.array(settings.top_k_probs), 1.0, np.array(settings.hop_tool_probs))
 
 
-def probe_hop_copy(cases: Sequence[HopCase], logits: Callable, chat: ChatFormat, max_len: int,
-                   max_new_tokens: int) -> dict:
-    """``{task type: measures}`` (see the module docstring) of the policy ``logits`` on ``cases``,
+def probe_hop_copy(cases: Sequence[HopCase], policy, chat: ChatFormat, max_len: int, max_new_tokens: int) -> dict:
+    """``{task type: measures}`` (see the module docstring) of ``policy`` on ``cases``,
     and ``"all"`` over every case: ``cases``, ``id_token_accuracy``, ``id_exact``,
     ``greedy_call``, ``greedy_shown`` and ``greedy_answer`` (shares of the cases)."""
     if not cases:
@@ -115,28 +117,11 @@ def probe_hop_copy(cases: Sequence[HopCase], logits: Callable, chat: ChatFormat,
     positions = np.zeros((N, max(width, 1)), np.int32)  # each identifier token's preceding position
     for i, c in enumerate(cases):
         positions[i, :c.span[1] - c.span[0]] = np.arange(c.span[0] - 1, c.span[1] - 1)
-    predicted = np.asarray(logits(grid, np.arange(max_len)[None] < lengths[:, None], positions)).argmax(-1)
+    predicted = np.asarray(policy.logits(grid, np.arange(max_len)[None] < lengths[:, None], positions)).argmax(-1)
     copied = [predicted[i, :c.span[1] - c.span[0]] == grid[i, c.span[0]:c.span[1]] for i, c in enumerate(cases)]
 
-    # greedy: every case's own turn after the first search's results, all rows at once
-    gen = np.zeros((N, max_len), np.int32)
-    length = np.array([c.start for c in cases])
-    for i, c in enumerate(cases):
-        gen[i, :c.start] = c.tokens[:c.start]
-    new = [[] for _ in cases]
-    active = np.ones(N, bool)
-    for _ in range(max_new_tokens):
-        if not active.any():
-            break
-        out = np.asarray(logits(gen, np.arange(max_len)[None] < length[:, None], (length - 1)[:, None]))
-        for i in np.flatnonzero(active):
-            token = int(out[i, 0].argmax())
-            new[i].append(token)
-            if token == chat.im_end_id or length[i] + 1 >= max_len:
-                active[i] = False
-                continue
-            gen[i, length[i]] = token
-            length[i] += 1
+    # greedy: every case's own turn after the first search's results
+    new = policy.greedy([c.tokens[:c.start] for c in cases], chat.im_end_id, max_new_tokens)
     turns = [chat.decode([t for t in tokens if t != chat.im_end_id]) for tokens in new]
 
     def queries(text):
@@ -159,12 +144,37 @@ def probe_hop_copy(cases: Sequence[HopCase], logits: Callable, chat: ChatFormat,
     return out
 
 
-def model_logits(model_cfg: ModelConfig, params) -> Callable:
-    """``logits(tokens, valid, positions)`` of policy ``params``: one jitted forward pass, float32
-    logits at ``positions [N, P]`` only (a real vocabulary's logits at every position would not fit)."""
-    @jax.jit
-    def run(params, tokens, valid, positions):
-        hidden, _ = forward(model_cfg, params, tokens, valid)
-        return logits_from_hidden(model_cfg, params, jnp.take_along_axis(hidden, positions[..., None], axis=1))
+class ModelPolicy:
+    """The probe's policy for parameters ``params``: ``logits`` from one jitted forward pass (float32,
+    at the asked positions only: a real vocabulary's logits at every position would not fit), and
+    ``greedy`` turns from the sampler's ``prefill`` and ``decode`` at temperature 0."""
 
-    return lambda tokens, valid, positions: run(params, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(positions))
+    def __init__(self, model_cfg: ModelConfig, params, max_len: int):
+        self.params, self.max_len = params, max_len
+
+        @jax.jit
+        def logits(params, tokens, valid, positions):
+            hidden, _ = forward(model_cfg, params, tokens, valid)
+            return logits_from_hidden(model_cfg, params, jnp.take_along_axis(hidden, positions[..., None], axis=1))
+
+        @functools.partial(jax.jit, static_argnums=(4,))
+        def greedy(params, tokens, lengths, stop, max_new_tokens):
+            B = tokens.shape[0]
+            state = sampler.prefill(model_cfg, params, tokens, lengths, max_len)
+            _, out = sampler.decode(model_cfg, params, state, jax.random.split(jax.random.PRNGKey(0), B), jnp.zeros(B),
+                                    jnp.ones(B), jnp.full((B, 1), stop, jnp.int32), jnp.ones(B, bool),
+                                    jnp.full(B, max_new_tokens, jnp.int32), max_new_tokens)
+            return out.tokens, out.num_tokens
+
+        self._logits, self._greedy = logits, greedy
+
+    def logits(self, tokens, valid, positions):
+        return self._logits(self.params, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(positions))
+
+    def greedy(self, prompts: Sequence[Sequence[int]], stop_id: int, max_new_tokens: int) -> list[list[int]]:
+        grid = np.zeros((len(prompts), self.max_len), np.int32)
+        for i, prompt in enumerate(prompts):
+            grid[i, :len(prompt)] = prompt
+        tokens, counts = jax.device_get(self._greedy(self.params, grid, np.array([len(p) for p in prompts], np.int32),
+                                                     stop_id, max_new_tokens))
+        return [list(map(int, row[:n])) for row, n in zip(tokens, counts)]

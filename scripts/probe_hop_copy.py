@@ -14,7 +14,6 @@ a call, a call on an identifier shown, an answer. ``--out FILE`` writes the figu
 import json
 import pathlib
 
-import jax
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
@@ -22,7 +21,7 @@ from ml_collections import config_flags
 
 from mtrl_jax.checkpoint import Checkpoints
 from mtrl_jax.evaluate import restore_params
-from mtrl_jax.probes import forced_hop_teacher, hop_cases, model_logits, probe_hop_copy
+from mtrl_jax.probes import ModelPolicy, forced_hop_teacher, hop_cases, probe_hop_copy
 from mtrl_jax.rollout.interfaces import EpisodeDriver
 from mtrl_jax.setup import build
 
@@ -41,9 +40,10 @@ def policies(workdir: pathlib.Path, components) -> dict:
     try:
         if checkpoints.reference_path.exists():
             out["warmed-up"] = checkpoints.restore_reference(components.params)
+        trained = checkpoints.latest_step() is not None
     finally:
         checkpoints.close()
-    if (workdir / "checkpoints").is_dir() and any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir()):
+    if trained:
         out["trained"] = restore_params(workdir, components)
     if not out:
         raise FileNotFoundError(f"{workdir}: neither a warmed-up policy ({workdir / 'reference'}, saved when rl.kl_coef > 0) "
@@ -63,9 +63,9 @@ def main(argv):
     print(f"{len(cases)} hop cases from {len(components.val_tasks)} held-out tasks")
     results = {}
     for name, params in policies(workdir, components).items():
-        params = jax.device_get(params)
-        results[name] = probe_hop_copy(cases, model_logits(components.model_cfg, params), components.chat,
-                                       components.collector.max_len, components.collector.max_tokens_per_turn)
+        max_len = components.collector.max_len
+        results[name] = probe_hop_copy(cases, ModelPolicy(components.model_cfg, params, max_len), components.chat, max_len,
+                                       components.collector.max_tokens_per_turn)
         print(f"\n{name} policy\n| task type | " + " | ".join(COLUMNS) + " |\n" + "|---" * (len(COLUMNS) + 1) + "|")
         for kind, m in results[name].items():
             print(f"| {kind} | {m['cases']} | " + " | ".join(f"{m[c]:.3f}" for c in COLUMNS[1:]) + " |")

@@ -54,21 +54,34 @@ def test_identifier_span_names_a_turn_without_the_query(setting):
         identifier_span(chat, turn, "QQ-1")
 
 
-def scripted(cases, vocab, continuation):
-    """A policy that writes, after row i's context, the tokens ``continuation(i, k)`` (k: the k-th
+class Scripted:
+    """A policy that writes, after case i's context, the tokens ``continuation(i, k)`` (k: the k-th
     token after the hop call's start); its logits are one-hot."""
-    def logits(tokens, valid, positions):
-        out = np.zeros(positions.shape + (vocab,), np.float32)
-        for i, case in enumerate(cases):
+
+    def __init__(self, cases, vocab, continuation):
+        self.cases, self.vocab, self.continuation = cases, vocab, continuation
+
+    def logits(self, tokens, valid, positions):
+        out = np.zeros(positions.shape + (self.vocab,), np.float32)
+        for i, case in enumerate(self.cases):
             for j, p in enumerate(positions[i]):
-                out[i, j, continuation(i, int(p) + 1 - case.start)] = 1.0
+                out[i, j, self.continuation(i, int(p) + 1 - case.start)] = 1.0
         return out
-    return logits
+
+    def greedy(self, prompts, stop_id, max_new_tokens):
+        out = []
+        for i, prompt in enumerate(prompts):
+            assert tuple(prompt) == self.cases[i].tokens[:self.cases[i].start]
+            turn = []
+            while len(turn) < max_new_tokens and (not turn or turn[-1] != stop_id):
+                turn.append(self.continuation(i, len(turn)))
+            out.append(turn)
+        return out
 
 
 def test_a_copying_policy_scores_one_and_an_answering_policy_zero(setting):
     chat, cases = setting
-    teacher = scripted(cases, chat.vocab_size, lambda i, k: cases[i].tokens[cases[i].start + k] if cases[i].start + k < len(cases[i].tokens)
+    teacher = Scripted(cases, chat.vocab_size, lambda i, k: cases[i].tokens[cases[i].start + k] if cases[i].start + k < len(cases[i].tokens)
                        else chat.im_end_id)
     result = probe_hop_copy(cases, teacher, chat, MAX_LEN, 48)
     assert result["all"] == {"cases": len(cases), "id_token_accuracy": 1.0, "id_exact": 1.0, "greedy_call": 1.0,
@@ -76,7 +89,7 @@ def test_a_copying_policy_scores_one_and_an_answering_policy_zero(setting):
     assert sum(result[t]["cases"] for t in result if t != "all") == len(cases)
 
     answer = chat.encode(render_answer([])) + [chat.im_end_id]
-    answering = scripted(cases, chat.vocab_size, lambda i, k: answer[min(max(k, 0), len(answer) - 1)])
+    answering = Scripted(cases, chat.vocab_size, lambda i, k: answer[min(max(k, 0), len(answer) - 1)])
     result = probe_hop_copy(cases, answering, chat, MAX_LEN, 48)["all"]
     assert result["greedy_answer"] == 1.0 and result["greedy_call"] == 0.0 and result["greedy_shown"] == 0.0
     assert result["id_exact"] == 0.0
@@ -91,7 +104,7 @@ def test_a_miscopying_policy_calls_but_not_on_a_shown_identifier(setting):
         bad = case.identifier[:-1] + str((int(digit) + 1) % 10) if digit.isdigit() else case.identifier + "0"
         wrong.append(chat.encode(text.replace(f'"{case.identifier}"', f'"{bad}"').replace(chat.decode([chat.im_end_id]), ""))
                      + [chat.im_end_id])
-    miscopy = scripted(cases, chat.vocab_size, lambda i, k: wrong[i][min(max(k, 0), len(wrong[i]) - 1)])
+    miscopy = Scripted(cases, chat.vocab_size, lambda i, k: wrong[i][min(max(k, 0), len(wrong[i]) - 1)])
     result = probe_hop_copy(cases, miscopy, chat, MAX_LEN, 48)["all"]
     assert result["greedy_call"] == 1.0 and result["greedy_answer"] == 0.0
     assert result["greedy_shown"] < 0.2  # a changed identifier is rarely another one shown
@@ -107,12 +120,12 @@ def test_the_probe_refuses_no_cases_and_cases_longer_than_the_context(setting):
         probe_hop_copy(cases, None, chat, 10, 48)
 
 
-def test_model_logits_are_the_forward_pass_logits_at_the_positions():
+def test_model_policy_logits_are_the_forward_pass_logits_and_greedy_follows_them():
     import jax
 
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.model.transformer import forward, logits_from_hidden
-    from mtrl_jax.probes import model_logits
+    from mtrl_jax.probes import ModelPolicy
 
     cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                       head_dim=8, tie_word_embeddings=True)
@@ -121,5 +134,13 @@ def test_model_logits_are_the_forward_pass_logits_at_the_positions():
     valid = np.arange(12)[None] < np.array([12, 7, 9])[:, None]
     positions = np.array([[0, 5], [6, 2], [8, 8]], np.int32)
     full = np.asarray(logits_from_hidden(cfg, params, forward(cfg, params, tokens, valid)[0]))
-    got = np.asarray(model_logits(cfg, params)(tokens, valid, positions))
+    policy = ModelPolicy(cfg, params, 12)
+    got = np.asarray(policy.logits(tokens, valid, positions))
     np.testing.assert_allclose(got, np.take_along_axis(full, positions[..., None], axis=1), rtol=1e-5, atol=1e-5)
+    # greedy: each next token is the argmax of the forward pass's logits over the prompt and the tokens so far
+    prompts = [list(tokens[0, :4]), list(tokens[1, :6])]
+    for prompt, turn in zip(prompts, policy.greedy(prompts, stop_id=0, max_new_tokens=5)):
+        assert 1 <= len(turn) <= 5 and (len(turn) == 5 or turn[-1] == 0)
+        for k, token in enumerate(turn):
+            context = np.array([prompt + turn[:k]], np.int32)
+            assert token == int(np.asarray(logits_from_hidden(cfg, params, forward(cfg, params, context)[0]))[0, -1].argmax())
