@@ -142,6 +142,9 @@ def get_config():
     # RL does not learn the hop from it
     c.warmup.teacher_hop = 0.0
     c.warmup.teacher_hop_tools = "bm25_search:1"  # TOOL:WEIGHT,... the second search's tool ("": uniform)
+    # extra demonstrations per question whose teacher always hops, with no loss on the token that decides
+    # to hop (the second turn's first): more of the copy to learn, the same learnt probability of hopping
+    c.warmup.hop_drills = 0
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -76,6 +76,7 @@ class WarmupSettings:
     top_k_probs: tuple[float, ...]
     hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
     hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
+    hop_drills: int = 0  # extra forced-hop demonstrations per question, the decision to hop untrained (warmup.hop_drills)
     share_prefix: bool = True  # the prompt every demonstration opens with computed once per step (warmup.share_prefix)
 
 
@@ -313,11 +314,13 @@ def _warmup_settings(config) -> Optional[WarmupSettings]:
     top_ks, top_k_probs = parse_top_k_weights(w.teacher_top_k, SearchSettings.max_top_k)
     if not 0.0 <= w.teacher_hop <= 1.0:
         raise ValueError(f"warmup.teacher_hop must be a probability in [0, 1], got {w.teacher_hop}")
+    if w.hop_drills < 0:
+        raise ValueError(f"warmup.hop_drills must be >= 0, got {w.hop_drills}")
     return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
                           tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
                           top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop,
                           hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
-                          share_prefix=bool(w.share_prefix))
+                          hop_drills=int(w.hop_drills), share_prefix=bool(w.share_prefix))
 
 
 def use_compilation_cache(config) -> Optional[str]:

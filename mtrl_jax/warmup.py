@@ -215,6 +215,15 @@ def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int]
     return run.trajectory.tokens, run.trajectory.loss_mask
 
 
+def decision_untrained(mask: Sequence[int]) -> list[int]:
+    """``mask`` with no loss on the second assistant turn's first token: the choice between a second
+    search and an answer (a hop drill's hop is forced, so that choice is not the teacher's)."""
+    mask = list(mask)
+    start = mask.index(1, _turn_end(mask, 1))
+    mask[start] = 0
+    return mask
+
+
 def _turn_end(mask: Sequence[int], turns: int) -> int:
     """Index just past the ``turns``-th run of assistant tokens (the whole length when there are fewer)."""
     end, seen = 0, 0
@@ -373,11 +382,18 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
     tool_probs, top_k_probs = np.array(cfg.tool_probs), np.array(cfg.top_k_probs)
+    hop_tool_probs = np.array(cfg.hop_tool_probs)
     demos = []
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop, np.array(cfg.hop_tool_probs))
+            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop, hop_tool_probs)
             demos.append(demonstration_tokens(driver, variant, policy))
+            # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
+            for _ in range(cfg.hop_drills):
+                tokens, mask = demonstration_tokens(driver, variant, teacher_turns(
+                    rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, 1.0, hop_tool_probs))
+                if _assistant_turns(mask) > 2:
+                    demos.append((tokens, decision_untrained(mask)))
     return demos
 
 

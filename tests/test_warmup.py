@@ -261,3 +261,36 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
             for share in (True, False)]
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5), runs[0].params, runs[1].params)
+
+
+def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
+    import types
+
+    from mtrl_jax.setup import WarmupSettings
+    from mtrl_jax.warmup import _assistant_turns, _turn_end, demonstrations
+
+    docs = [Document(f"d{i}", f"Project P-{i}", f'Key component: part "KX-48{i:02d}". Project P-{i} pumps') for i in range(20)]
+    tasks = [Task(f"c/multihop-{i}", f"component of project P-{i}", {f"d{i}": 1}, "c") for i in range(6)]
+    env = make_environment(Collection("c", docs, tasks), SearchSettings(tools=("bm25_search",), top_k=2),
+                           SearchEnvConfig(tool_prompt="compact"))
+    chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5 + [
+        '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x", "top_k": 2}}\n</tool_call>', "<answer></answer>"] * 20, 400))
+
+    def demos(drills):
+        settings = WarmupSettings(steps=1, batch_size=1, learning_rate=0.0, augment=0, tools=("bm25_search",), tool_probs=(1.0,),
+                                  top_ks=(2,), top_k_probs=(1.0,), hop=0.0, hop_tool_probs=(1.0,), hop_drills=drills)
+        return demonstrations(types.SimpleNamespace(warmup=settings, run=types.SimpleNamespace(seed=0), env=env, chat=chat,
+                                                    collector=types.SimpleNamespace(max_len=4096), train_tasks=tasks))
+
+    plain = demos(0)
+    assert len(plain) == 6 and all(_assistant_turns(m) == 2 for _, m in plain)  # the teacher never hops on its own
+    drilled = demos(2)
+    assert len(drilled) == 18 and sum(_assistant_turns(m) == 3 for _, m in drilled) == 12
+    for tokens, mask in drilled:
+        if _assistant_turns(mask) == 2:
+            continue
+        second = next(i for i in range(_turn_end(mask, 1), len(mask)) if tokens[i] == chat.tokenizer.token_to_id("<tool_call>"))
+        assert mask[second] == 0  # the decision to hop carries no loss ...
+        hop = chat.decode(tokens[second:_turn_end(mask, 2)])
+        assert all(mask[second + 1:_turn_end(mask, 2)]) and re.search(r'"query": "(KX-48\d\d|P-\d+)"', hop)  # ... its copy does
+        assert chat.decode([t for t, m in zip(tokens, mask) if m]).count("<answer></answer>") == 1
