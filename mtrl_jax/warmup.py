@@ -7,7 +7,9 @@ asking for a *random* number of results; with probability ``hop`` it then makes 
 an identifier copied from the first search's results, chosen at random among those shown; then it
 answers without ids (so the environment's answer fallback ranks the results). It never learns which
 tool suits which question, how many results pay, which questions need the second search or which
-identifier to follow: RL has to.
+identifier to follow: RL has to. ``hop_drills`` adds demonstrations whose hop is forced and whose
+decision to hop carries no loss: the copy out of the results gets more examples, and the hop
+probability the policy learns is still ``hop``.
 
 A tiny model trained on a few hundred questions memorises their words rather than learning to copy
 them; ``augment_question`` adds copies of each question whose identifier-like words (those with a

@@ -9,6 +9,9 @@ Extra `--config.*` overrides are passed through. It also prints, from the runs' 
 trajectories, nDCG@10, mean turns and the share of each tool's first call per task type (e.g.
 `synthetic/multihop`), before and after RL: what RL changed, not only how much; and the checks of
 issue 15 (overall gain >= 0.15, multihop nDCG@10 >= 0.60 with >= 2.8 turns, lookup <= 2.3 turns).
+From the RL steps' trajectories it prints how the sampled episodes hop per task type, in the first and
+the last quarter of the steps: the share with a second search, the mean reward with and without one,
+and the share of second searches that returned a relevant document the first search had not.
 """
 
 import argparse
@@ -38,6 +41,34 @@ def by_query_type(path: pathlib.Path) -> dict:
         tools[first] = tools.get(first, 0) + 1
     return {k: {"ndcg": float(np.mean(s)), "turns": float(np.mean(n)), "tools": {name: c / len(s) for name, c in sorted(tools.items())}}
             for k, (s, n, tools) in sorted(out.items())}
+
+
+def training_hops(workdir: pathlib.Path) -> dict:
+    """{type: {"early" | "late": {"episodes", "hop_share", "reward_hop", "reward_single", "hop_found"}}} over
+    the first and the last quarter of the RL steps' trajectories (``trajectories/step_*.jsonl``). A hop is
+    an episode with a second search; it found something when that search returned a document with a
+    grade > 0 that the first had not (grades as the records give them, of the final ranking's documents)."""
+    files = sorted((workdir / "trajectories").glob("step_*.jsonl"))
+    quarter = max(1, len(files) // 4)
+    out: dict = {}
+    for label, part in (("early", files[:quarter]), ("late", files[-quarter:])):
+        rows: dict = {}
+        for path in part:
+            for line in path.read_text().splitlines():
+                t = json.loads(line)
+                searches = [c for turn in t["turns"] for c in turn["calls"] if c["name"] and not c.get("error")]
+                hop, single, found = rows.setdefault(t["type"], ([], [], []))
+                (hop if len(searches) > 1 else single).append(t["reward"])
+                if len(searches) > 1:
+                    first = set(searches[0]["doc_ids"])
+                    found.append(any(t["grades"].get(d, 0) > 0 and d not in first for d in searches[1]["doc_ids"]))
+        nan = float("nan")
+        for kind, (hop, single, found) in rows.items():
+            out.setdefault(kind, {})[label] = {
+                "episodes": len(hop) + len(single), "hop_share": len(hop) / (len(hop) + len(single)),
+                "reward_hop": float(np.mean(hop)) if hop else nan, "reward_single": float(np.mean(single)) if single else nan,
+                "hop_found": float(np.mean(found)) if found else nan}
+    return out
 
 
 def main():
@@ -88,6 +119,22 @@ def main():
             shares.append(", ".join(f"{n} {np.mean([r['tools'].get(n, 0.0) for r in entry[label]]):.2f}" for n in names))
         print(f"{kind:>20} | {mean(entry['before'], 'ndcg'):.3f} -> {mean(entry['after'], 'ndcg'):.3f} | "
               f"{mean(entry['before'], 'turns'):.2f} -> {mean(entry['after'], 'turns'):.2f} | {shares[0]} -> {shares[1]}")
+    print("\nhops in the RL steps' sampled episodes (mean over seeds), first quarter -> last quarter of the steps: share of "
+          "episodes with a second search, mean reward with / without one, share of second searches that found a relevant "
+          "document the first had not")
+    hops: dict = {}
+    for seed in summaries:
+        for kind, parts in training_hops(out / f"seed_{seed}").items():
+            for label, row in parts.items():
+                hops.setdefault(kind, {}).setdefault(label, []).append(row)
+    for kind, parts in sorted(hops.items()):
+        cells = []
+        for label in ("early", "late"):
+            rows = parts.get(label, [])
+            m = {k: float(np.nanmean([r[k] for r in rows])) if rows else float("nan")
+                 for k in ("hop_share", "reward_hop", "reward_single", "hop_found")}
+            cells.append(f"{m['hop_share']:.2f}, {m['reward_hop']:+.3f} / {m['reward_single']:+.3f}, found {m['hop_found']:.2f}")
+        print(f"{kind:>20} | {cells[0]} -> {cells[1]}")
     gain = np.mean([s["after"]["ndcg@10"] - s["before"]["ndcg@10"] for s in summaries.values()])
     worse = np.mean([s["after"]["failure_rate"] - s["before"]["failure_rate"] for s in summaries.values()])
     print(f"RL beats the warmed-up policy by >= 0.15 nDCG@10 with the failure rate not higher: "
