@@ -9,6 +9,8 @@ teacher's episode with its hop forced, cut after the second search's call (``mtr
 Per task type it prints the teacher-forced accuracy on the identifier's tokens after its first and
 the share copied whole, and what the policy itself writes after the first search's results (greedy):
 a call, a call on an identifier shown, an answer. ``--out FILE`` writes the figures as JSON.
+``--split=train`` probes as many training questions (a seeded sample) instead: a policy that copies
+better there than on held-out questions memorises rather than copies.
 """
 
 import json
@@ -29,6 +31,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "the r
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training work directory", required=True)
 _PER_TASK = flags.DEFINE_integer("per_task", 2, "hop cases drawn per held-out task")
 _OUT = flags.DEFINE_string("out", None, "write the figures here as JSON")
+_SPLIT = flags.DEFINE_enum("split", "validation", ["validation", "train"],
+                           "probe the held-out tasks, or a seeded sample of as many training tasks")
 
 COLUMNS = ("cases", "id_token_accuracy", "id_exact", "greedy_call", "greedy_shown", "greedy_answer")
 
@@ -59,8 +63,12 @@ def main(argv):
     components = build(_CONFIG.value, workdir, train_tokenizer_if_missing=False)
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     rng = np.random.default_rng(_CONFIG.value.seed + 5)
-    cases = hop_cases(driver, components.val_tasks, forced_hop_teacher(components.warmup, rng), _PER_TASK.value)
-    print(f"{len(cases)} hop cases from {len(components.val_tasks)} held-out tasks")
+    tasks = list(components.val_tasks)
+    if _SPLIT.value == "train":
+        sample = np.random.default_rng(_CONFIG.value.seed + 6).choice(len(components.train_tasks), len(tasks), replace=False)
+        tasks = [components.train_tasks[i] for i in sorted(sample)]
+    cases = hop_cases(driver, tasks, forced_hop_teacher(components.warmup, rng), _PER_TASK.value)
+    print(f"{len(cases)} hop cases from {len(tasks)} {'held-out' if _SPLIT.value == 'validation' else 'training'} tasks")
     results = {}
     for name, params in policies(workdir, components).items():
         max_len = components.collector.max_len
