@@ -297,6 +297,7 @@ def _config(**overrides):
     ("rl.loss", "ppoo", "rl.loss: unknown loss 'ppoo'"),
     ("rl.loss_options", "clip_hihg=0.3", r"rl.loss_options: loss 'ppo' does not take \['clip_hihg'\]"),
     ("warmup.teacher_tools", "web_search:1", "warmup.teacher_tools"),
+    ("warmup.hop_drills", -1, "warmup.hop_drills must be >= 0"),
     ("data.validation_fraction", 0.0, "data.validation_fraction must be in"),
 ])
 def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, message):
