@@ -133,14 +133,22 @@ def test_model_policy_logits_are_the_forward_pass_logits_and_greedy_follows_them
     tokens = np.random.default_rng(0).integers(1, 40, size=(3, 12)).astype(np.int32)
     valid = np.arange(12)[None] < np.array([12, 7, 9])[:, None]
     positions = np.array([[0, 5], [6, 2], [8, 8]], np.int32)
-    full = np.asarray(logits_from_hidden(cfg, params, forward(cfg, params, tokens, valid)[0]))
+    # the reference: one jitted forward pass (eager op-by-op calls cost seconds per shape)
+    reference = jax.jit(lambda t, v: logits_from_hidden(cfg, params, forward(cfg, params, t, v)[0]))
+    full = np.asarray(reference(tokens, valid))
     policy = ModelPolicy(cfg, params, 12)
     got = np.asarray(policy.logits(tokens, valid, positions))
     np.testing.assert_allclose(got, np.take_along_axis(full, positions[..., None], axis=1), rtol=1e-5, atol=1e-5)
     # greedy: each next token is the argmax of the forward pass's logits over the prompt and the tokens so far
     prompts = [list(tokens[0, :4]), list(tokens[1, :6])]
+    contexts, produced = [], []
     for prompt, turn in zip(prompts, policy.greedy(prompts, stop_id=0, max_new_tokens=5)):
         assert 1 <= len(turn) <= 5 and (len(turn) == 5 or turn[-1] == 0)
-        for k, token in enumerate(turn):
-            context = np.array([prompt + turn[:k]], np.int32)
-            assert token == int(np.asarray(logits_from_hidden(cfg, params, forward(cfg, params, context)[0]))[0, -1].argmax())
+        contexts += [prompt + turn[:k] for k in range(len(turn))]
+        produced += turn
+    grid = np.zeros((len(contexts), 12), np.int32)  # each context left-aligned, padded after its end (causal)
+    for i, context in enumerate(contexts):
+        grid[i, :len(context)] = context
+    lengths = np.array([len(c) for c in contexts])
+    last = np.asarray(reference(grid, np.arange(12)[None] < lengths[:, None]))[np.arange(len(contexts)), lengths - 1]
+    assert produced == [int(t) for t in last.argmax(-1)]
