@@ -35,7 +35,7 @@ from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.transformer import forward, logits_from_hidden
 from mtrl_jax.rollout import sampler
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
-from mtrl_jax.warmup import _assistant_turns, _turn_end, result_identifiers, teacher_turns
+from mtrl_jax.warmup import _assistant_turns, _turn_end, result_identifiers, settings_teacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +95,7 @@ def forced_hop_teacher(settings, rng: np.random.Generator) -> Callable[[], Calla
     its tool and ``top_k`` draws) with its hop forced."""
     if settings is None:
         raise ValueError("the hop probe needs the scripted teacher's settings (warmup.steps > 0)")
-    return lambda: teacher_turns(rng, settings.tools, np.array(settings.tool_probs), settings.top_ks,
-                                 np.array(settings.top_k_probs), 1.0, np.array(settings.hop_tool_probs))
+    return lambda: settings_teacher(settings, rng, hop=1.0)
 
 
 def probe_hop_copy(cases: Sequence[HopCase], policy, chat: ChatFormat, max_len: int, max_new_tokens: int) -> dict:

@@ -204,6 +204,13 @@ def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Op
     return TeacherPolicy(render, first, second, rng.random() if second is not None else 0.0)
 
 
+def settings_teacher(settings, rng: np.random.Generator, hop: Optional[float] = None) -> TeacherPolicy:
+    """``teacher_turns`` with the draws of ``settings`` (``setup.WarmupSettings``); ``hop`` overrides its
+    probability of a second search (1.0: forced, as in hop drills and the hop probe)."""
+    return teacher_turns(rng, settings.tools, np.array(settings.tool_probs), settings.top_ks, np.array(settings.top_k_probs),
+                         settings.hop if hop is None else hop, np.array(settings.hop_tool_probs))
+
+
 def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
     """Run the scripted ``policy`` through the episode driver and return the trajectory's
     ``(tokens, loss mask)``: exactly what the collector would have produced had the policy sampled
@@ -383,17 +390,13 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
     rng = np.random.default_rng(components.run.seed)
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
-    tool_probs, top_k_probs = np.array(cfg.tool_probs), np.array(cfg.top_k_probs)
-    hop_tool_probs = np.array(cfg.hop_tool_probs)
     demos = []
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            policy = teacher_turns(rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, cfg.hop, hop_tool_probs)
-            demos.append(demonstration_tokens(driver, variant, policy))
+            demos.append(demonstration_tokens(driver, variant, settings_teacher(cfg, rng)))
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
-                tokens, mask = demonstration_tokens(driver, variant, teacher_turns(
-                    rng, cfg.tools, tool_probs, cfg.top_ks, top_k_probs, 1.0, hop_tool_probs))
+                tokens, mask = demonstration_tokens(driver, variant, settings_teacher(cfg, rng, hop=1.0))
                 if _assistant_turns(mask) > 2:
                     demos.append((tokens, decision_untrained(mask)))
     return demos
