@@ -19,7 +19,7 @@ import optax
 
 from mtrl_jax import distributed
 from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
-from mtrl_jax.data.collection import Collection, load_beir, mixture, split
+from mtrl_jax.data.collection import Collection, Task, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
@@ -339,6 +339,14 @@ def use_compilation_cache(config) -> Optional[str]:
     return path
 
 
+def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
+    """A lower bound on the prompt length of every episode of ``corpora``: each corpus's prompt of an
+    empty question (a question only adds tokens to it). The update and the sampler compile no program
+    for the lengths below it (``UpdateConfig.min_length``, ``CollectorConfig.min_prompt``); a bound
+    that were too high would cost padding or a compile on demand, never a wrong result."""
+    return min(len(chat.prompt(env.reset(Task(f"{corpus}/shortest-prompt", "", {}, corpus))[1])) for corpus in sorted(corpora))
+
+
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
     """Every component of a run of ``config`` whose files live in ``workdir``."""
     workdir = pathlib.Path(workdir)
@@ -353,6 +361,9 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
     env = build_environment(config, collections)
     chat = build_chat(config, workdir, collections, env, train_tokenizer_if_missing)
+    shortest = shortest_prompt(env, chat, {task.corpus for task in (*train_tasks, *val_tasks)})
+    update_cfg = dataclasses.replace(update_cfg, min_length=shortest)
+    collector_cfg = dataclasses.replace(collector_cfg, min_prompt=shortest)
     mesh = make_mesh(tuple(config.model.mesh_shape))
     rollout_mesh = distributed.rollout_mesh(mesh)
     rows = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]

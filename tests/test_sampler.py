@@ -320,3 +320,15 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
             np.testing.assert_allclose(np.where(held[None, :, :, None, None], x, 0), np.where(held[None, :, :, None, None], y, 0),
                                        atol=1e-5)
     assert (np.asarray(shared[-1].tokens)[1:] == -1).all()  # forgotten: the other rows were computed with `params`
+
+
+def test_decode_windows_start_above_the_shortest_prompt(model_params):
+    """A decode call's rows hold a prompt of at least ``min_length`` tokens and attend to
+    ``max_new_tokens`` more: the windows below that are not precompiled (no call takes them)."""
+    model, _ = model_params
+    full = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48)
+    assert full.call_shapes()[1] == [64, 128, 256, 512]
+    short = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)  # the default's
+    assert short.call_shapes()[1] == [256, 512]
+    assert short.call_shapes()[0] == full.call_shapes()[0]  # extend: every window (a call may hold a prompt's first pieces)
+    assert S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=600).call_shapes()[1] == [512]

@@ -40,6 +40,18 @@ def test_length_buckets_cover_the_batch_length_with_few_programs():
     assert list(wide) == sorted(set(wide))
 
 
+def test_length_buckets_start_at_the_shortest_row_a_batch_can_hold():
+    assert length_buckets(528, 48, shortest=81) == tuple(range(96, 529, 48))  # the default: 10 branches, not 11
+    assert length_buckets(528, 48, shortest=96) == tuple(range(96, 529, 48))  # a multiple holds it exactly
+    assert length_buckets(100, 32, shortest=0) == length_buckets(100, 32)
+    assert length_buckets(100, 32, shortest=99) == (100,)
+    assert length_buckets(100, 32, shortest=5000) == (100,)  # never above the batch length
+    wide = length_buckets(8192, 32, shortest=1000)  # the geometric spread starts at it too
+    assert len(wide) <= 16 and wide[0] == 1024 and wide[-1] == 8192
+    with pytest.raises(ValueError, match="min_length must be >= 0"):
+        UpdateConfig(min_length=-1)
+
+
 def test_switch_on_length_takes_the_smallest_bucket_that_holds_every_row():
     mask = np.zeros((3, 10), np.int32)
     for lengths, expected in (((2, 3, 1), 4), ((2, 7, 1), 8), ((9, 3, 1), 10), ((0, 0, 0), 4)):
@@ -122,6 +134,24 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
     assert float(metrics["ratio_max_dev"]) > 1e-3  # the later ones: against the scored old log-probs
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new_state.params, params)
     assert max(jax.tree.leaves(moved)) > 1e-4
+
+
+@pytest.mark.slow
+def test_leaving_out_the_lengths_no_row_has_changes_nothing():
+    """``min_length`` 6 (every row holds 6..10 tokens) leaves out the 4-column branch: the same
+    micro-batches take the same branches, so the update is the same to the last bit."""
+    batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    results = []
+    for shortest in (0, 6):
+        cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.2), mini_batches=2, micro_batches=2,
+                           logprob_chunk=7, length_bucket=4, min_length=shortest)
+        updater = Updater(CFG, cfg, optax.adam(0.1))
+        results.append(updater.update(updater.init_state(params, jax.random.PRNGKey(9)), batch, params))
+    (a, metrics_a), (b, metrics_b) = results
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params, b.params)
+    for name in ("loss", "real_token_fraction", "grad_norm"):
+        assert float(metrics_a[name]) == float(metrics_b[name]), name
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it

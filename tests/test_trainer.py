@@ -325,3 +325,18 @@ def test_compilation_cache_dir_turns_on_the_persistent_cache(tmp_path):
     assert any(p.name.startswith("jit_total-") for p in cache.iterdir()), sorted(p.name for p in cache.iterdir())
     assert "Persistent compilation cache hit for 'jit_total'" not in runs[0].stderr
     assert "Persistent compilation cache hit for 'jit_total'" in runs[1].stderr
+
+
+def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_sampler(tmp_path):
+    """``setup.shortest_prompt`` (a question's prompt with the question left out) is a lower bound on
+    every task's prompt, close to the shortest; ``build`` hands it to the update and the collector."""
+    from configs import default
+    from mtrl_jax import setup
+
+    config = default.get_config()
+    config.compilation_cache_dir = ""
+    components = setup.build(config, tmp_path)
+    prompts = [len(components.chat.prompt(components.env.reset(t)[1])) for t in components.train_tasks + components.val_tasks]
+    shortest = components.updater.config.min_length
+    assert 0 < shortest <= min(prompts) < shortest + 10
+    assert components.collector.min_prompt == shortest

@@ -51,6 +51,10 @@ class UpdateConfig:
     micro_batches: int = 1
     logprob_chunk: int = 512
     length_bucket: int = 128  # a micro-batch is computed at its longest row rounded up to this (see length_buckets)
+    # every row of a batch holds at least this many tokens (its prompt; setup measures a lower bound): no
+    # branch is compiled for the lengths below it, which no micro-batch then takes (a shorter row is still
+    # right, computed at the shortest length compiled)
+    min_length: int = 0
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -62,6 +66,8 @@ class UpdateConfig:
         for field in ("update_epochs", "mini_batches", "micro_batches", "logprob_chunk", "length_bucket"):
             if getattr(self, field) < 1:
                 raise ValueError(f"rl.{field} must be >= 1, got {getattr(self, field)}")
+        if self.min_length < 0:
+            raise ValueError(f"UpdateConfig.min_length must be >= 0, got {self.min_length}")
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature: training log-probs are of logits / temperature, so it must be > 0, "
                              f"got {self.temperature}")
@@ -105,14 +111,18 @@ def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_ba
 MAX_LENGTH_BRANCHES = 16
 
 
-def length_buckets(T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES) -> tuple[int, ...]:
+def length_buckets(T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES, shortest: int = 0) -> tuple[int, ...]:
     """The static lengths a micro-batch of a ``[., T]`` batch can be cut to: multiples of
     ``granularity`` up to ``T`` (the last is ``T``), or, when there would be more than
-    ``max_branches``, ``max_branches`` of them spread geometrically from ``granularity`` to ``T``."""
+    ``max_branches``, ``max_branches`` of them spread geometrically up to ``T``. With ``shortest``
+    (no row holds fewer tokens, or none: the shortest prompt) they start at the first multiple that
+    holds it: a micro-batch's longest row never picks a shorter one, so its branch would be compiled
+    for nothing (on the default, 2 of 11 branches)."""
     n = -(-T // granularity)
-    if n <= max_branches:
-        return tuple(min(T, granularity * (i + 1)) for i in range(n))
-    steps = np.geomspace(1, n, max_branches)
+    first = min(max(1, -(-shortest // granularity)), n)  # the first multiple (1-based) that holds `shortest`
+    if n - first + 1 <= max_branches:
+        return tuple(min(T, granularity * i) for i in range(first, n + 1))
+    steps = np.geomspace(first, n, max_branches)
     return tuple(sorted({min(T, granularity * int(math.ceil(x - 1e-9))) for x in steps} | {T}))
 
 
@@ -171,7 +181,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
                          f"x {cfg.micro_batches} micro-batches")
     obj = cfg.objective
     T = batch.tokens.shape[1]
-    buckets = length_buckets(T, cfg.length_bucket)
+    buckets = length_buckets(T, cfg.length_bucket, shortest=cfg.min_length)
     rows_per_micro = B // cfg.rows_per_micro_batch_divisor
     logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk)
     loss_mask = batch.loss_mask.astype(jnp.float32)

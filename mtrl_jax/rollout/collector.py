@@ -43,6 +43,7 @@ class CollectorConfig:
     tool_workers: int = 4  # 0: run tools inline (fully deterministic schedule)
     precompile: bool = True  # the trainer compiles every extend / decode shape ahead of time (Sampler.precompile)
     share_prefixes: bool = True  # a new episode's prompt takes the cached prefix it shares with another (Sampler.extend)
+    min_prompt: int = 0  # no episode's prompt is shorter (setup measures a lower bound): the sampler's min_length
 
 
 def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> CollectorConfig:
@@ -99,7 +100,7 @@ class Collector:
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
         self.driver = EpisodeDriver(env, chat, config.max_len)
         self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
-                                 mesh=mesh, min_shared=16 if config.share_prefixes else 0)
+                                 mesh=mesh, min_shared=16 if config.share_prefixes else 0, min_length=config.min_prompt)
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None

@@ -285,6 +285,9 @@ class Sampler:
     # extend: a row starting a new sequence takes the cached keys and values of its longest prefix held
     # by any row (or computed in the same call) when that saves at least ``min_shared`` tokens; 0: never
     min_shared: int = 16
+    # every row a decode call runs holds at least this many tokens (the shortest prompt): ``precompile``
+    # leaves out the decode windows below it plus ``max_new_tokens``, which no call takes
+    min_length: int = 0
 
     def __post_init__(self):
         self._extend, self._decode, self._init, self._share, self._forget, self._programs = _compiled(self.cfg, self.mesh)
@@ -322,11 +325,12 @@ class Sampler:
     def call_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Every ``(lines, window)`` an ``extend`` call can take, and every ``decode`` window. A
         call of ``lines`` > 8 lines holds more than ``lines / 2`` pieces (``call_lines``), and the rows
-        within a window hold at most ``slots x ceil(window / piece)`` of them."""
+        within a window hold at most ``slots x ceil(window / piece)`` of them. A decode call's rows hold
+        at least ``min_length`` tokens, and it attends to ``max_new_tokens`` more."""
         line_counts = [8 << i for i in range(self._max_lines.bit_length()) if 8 << i <= self._max_lines]
         extend_shapes = [(lines, w) for w in windows(self.max_len) for lines in line_counts
                          if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)]
-        return extend_shapes, windows(self.max_len, self.max_new_tokens)
+        return extend_shapes, windows(self.max_len, self.min_length + self.max_new_tokens)
 
     def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
         """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
