@@ -38,7 +38,10 @@ def get_config():
     # training attention: "" = causal einsums in query chunks of attention_chunk positions (fastest on
     # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
     c.model.attention_impl = ""
-    c.model.attention_chunk = 128
+    # each chunk is its own einsums in every compiled program: 256 rather than 128 compiles the update's
+    # length branches and the warm-up's shapes in less time (scripts/bench_compile.py), for a few more
+    # scores computed and masked (the causal triangle's half of each chunk)
+    c.model.attention_chunk = 256
     # layers per iteration of the layer loop; 0 = all: no loop, whose backward pass on CPU moves every
     # layer's saved activations through a stacked buffer (~20% slower); deep models keep 1 (compile time)
     c.model.scan_unroll = 0
@@ -107,7 +110,7 @@ def get_config():
     c.rl.micro_batches = 8  # of 4 rows each, sorted by length: each is computed at its own length
     # a micro-batch is computed at its longest row rounded up to length_bucket: one compiled branch per
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
-    c.rl.length_bucket = 48  # 11 branches, ~86% real tokens; 64 (8) pads more, 32 (16) less but slows the start (README)
+    c.rl.length_bucket = 48  # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (README)
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     # dynamic sampling (DAPO): drop groups whose rewards are all equal (no group-relative signal); with
     # filter_max_extra_groups > 0, first generate up to that many extra groups (random training tasks)
