@@ -115,9 +115,9 @@ def length_buckets(T: int, granularity: int, max_branches: int = MAX_LENGTH_BRAN
     """The static lengths a micro-batch of a ``[., T]`` batch can be cut to: multiples of
     ``granularity`` up to ``T`` (the last is ``T``), or, when there would be more than
     ``max_branches``, ``max_branches`` of them spread geometrically up to ``T``. With ``shortest``
-    (no row holds fewer tokens, or none: the shortest prompt) they start at the first multiple that
-    holds it: a micro-batch's longest row never picks a shorter one, so its branch would be compiled
-    for nothing (on the default, 2 of 11 branches)."""
+    (no row holds fewer tokens: the shortest prompt) they start at the first multiple that holds it:
+    a micro-batch's longest row never picks a shorter one, whose branch would be compiled for nothing
+    (on the default, 1 of 11 branches)."""
     n = -(-T // granularity)
     first = min(max(1, -(-shortest // granularity)), n)  # the first multiple (1-based) that holds `shortest`
     if n - first + 1 <= max_branches:
