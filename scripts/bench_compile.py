@@ -33,13 +33,14 @@ import time
 import jax
 import numpy as np
 
+from bench_warmup import warmup_views
 from configs.default import get_config
 from mtrl_jax.model.sharding import activate, place_batch
-from mtrl_jax.rl.batch import TrajectoryBatch, bucket
+from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.train_step import Updater, length_buckets
 from mtrl_jax.rollout.collector import Collector, fitted_slots
 from mtrl_jax.setup import build
-from mtrl_jax.warmup import _pack, _turn_end, common_prefix, demonstrations, warmup_optimizer, warmup_step
+from mtrl_jax.warmup import demonstrations, warmup_optimizer, warmup_step
 
 
 def timed(fn) -> tuple[float, float]:
@@ -79,11 +80,8 @@ def main():
     parts = {"update": list(sides), "sampler": ["before", "now"], "warm-up": ["before", "now"]}
 
     demos = demonstrations(c)
-    P = len(common_prefix(demos))
-    first = _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])
-    groups = sorted({bucket(len(t), 64) for t, _ in demos})
-    lengths = [bucket(len(t), 64) for t, _ in demos]
-    common = max(groups, key=lengths.count)
+    shared, first, groups, whole = warmup_views(demos)
+    P = len(shared)
     shapes = [first[0].shape[1] - P] + [g - P for g in groups]
     print(f"default: shortest prompt {shortest} tokens (setup.shortest_prompt), attention_chunk {chunk}; update "
           f"{rows} x {run.batch_length}, length_bucket {c.updater.config.length_bucket}; sampler "
@@ -96,7 +94,6 @@ def main():
     loss_mask = (attention * (np.arange(run.batch_length)[None] > 90)).astype(np.float32)
     batch = TrajectoryBatch(rng.integers(1, 1000, attention.shape).astype(np.int32) * attention, attention, loss_mask,
                             -2.0 * loss_mask, rng.normal(size=rows).astype(np.float32), group_size=run.group_size)
-    whole = _pack([d for d, length in zip(demos, lengths) if length == common], 64)
     warm_rows = tuple(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False), P:] for x in whole)
     tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
 
@@ -123,7 +120,7 @@ def main():
 
     def warm_up(side):
         model_cfg = dataclasses.replace(c.model_cfg, attention_chunk=sides[side][1])
-        step = warmup_step(model_cfg, tx, np.asarray(common_prefix(demos), np.int32), c.updater.config.logprob_chunk)
+        step = warmup_step(model_cfg, tx, shared, c.updater.config.logprob_chunk)
         opt_state = tx.init(c.params)
         blank = [tuple(np.zeros((c.warmup.batch_size, width), dtype) for dtype in (np.int32, np.int32, np.float32)) for width in shapes]
 

@@ -29,6 +29,19 @@ from mtrl_jax.setup import build
 from mtrl_jax.warmup import _pack, _turn_end, common_prefix, demonstrations, warmup_optimizer, warmup_step
 
 
+def warmup_views(demos):
+    """What the default's warm-up trains on (``warmup.supervised_warmup``): the shared prefix, the
+    demonstrations cut after their first turn, the length groups of whole demonstrations (multiples of
+    64 tokens), and the most common group's demonstrations, packed."""
+    shared = np.asarray(common_prefix(demos), np.int32)
+    first_turns = _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])
+    lengths = [bucket(len(t), 64) for t, _ in demos]
+    groups = sorted(set(lengths))
+    common = max(groups, key=lengths.count)
+    whole = _pack([d for d, length in zip(demos, lengths) if length == common], 64)
+    return shared, first_turns, groups, whole
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -40,13 +53,9 @@ def main():
     config.compilation_cache_dir = ""  # compile both sides here (their compile times are printed too)
     c = build(config, pathlib.Path(tempfile.mkdtemp(prefix="bench_warmup_")))
     demos = demonstrations(c)
-    shared = np.asarray(common_prefix(demos), np.int32)
+    shared, first_turns, _, whole = warmup_views(demos)
     P, B = len(shared), c.warmup.batch_size
     rng = np.random.default_rng(0)
-    first_turns = _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])
-    lengths = [bucket(len(t), 64) for t, _ in demos]
-    common = max(set(lengths), key=lengths.count)
-    whole = _pack([d for d, length in zip(demos, lengths) if length == common], 64)
     print(f"{len(demos)} demonstrations, shared prefix {P} tokens, batch {B}")
 
     tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
