@@ -10,6 +10,7 @@ repeat, alternated, medians:
 * **sampler**: ``mtrl_jax.rollout.sampler`` (prefill by ``extend``, then one ``decode`` call: the
   on-device loop with stop tokens, budgets, behaviour log-probs and a cache window);
 * **minimal**: a bare greedy decoder written below, ``lax.scan`` over the project's ``forward``
+  (its layers' parameters sliced once before the loop, ``unstack_layers``, as the sampler does)
   with a KV cache of exactly prompt + new slots, nothing else: the stand-in for what the hardware
   allows with this model code;
 * **HF**: transformers' ``generate`` (torch, float32, greedy, KV cache) on the same weights
@@ -39,7 +40,7 @@ import numpy as np
 from bench_common import import_torch, model_config
 from mtrl_jax.model import ModelConfig, compute_logits, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
-from mtrl_jax.model.transformer import Transformer, forward, init_cache, logits_from_hidden
+from mtrl_jax.model.transformer import Transformer, forward, init_cache, logits_from_hidden, unstack_layers
 from mtrl_jax.rollout import sampler as S
 
 BATCH = {"tiny": 32, "30m": 8}
@@ -49,6 +50,7 @@ BATCH = {"tiny": 32, "30m": 8}
 def minimal_decoder(cfg: ModelConfig, params, prompts, new: int):
     """Greedy: prefill the prompts, then ``new`` steps of one token each, in a ``lax.scan``."""
     B, P = prompts.shape
+    params = unstack_layers(params)  # each layer's arrays, sliced once, as the sampler's decode does
     cache = init_cache(cfg, B, P + new)
     hidden, cache = forward(cfg, params, prompts, None, cache, jnp.zeros(B, jnp.int32))
     first = jnp.argmax(logits_from_hidden(cfg, params, hidden[:, -1]), axis=-1).astype(jnp.int32)

@@ -13,6 +13,7 @@ import pytest
 from mtrl_jax.model import (ModelConfig, abstract_params, compute_logits, forward, hf_io, init_params,
                             load_hf_checkpoint, save_hf_checkpoint)
 from mtrl_jax.model import sharding
+from mtrl_jax.model.transformer import init_cache, unstack_layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 DECODERS = ["qwen2", "qwen3_tied", "qwen3_untied", "llama"]
@@ -229,6 +230,33 @@ def test_program_size_does_not_grow_with_depth():
         return len(jax.make_jaxpr(lambda p: forward(cfg, p, tokens)[0])(params).jaxpr.eqns)
 
     assert size(2) == size(12)
+
+
+def test_unstacked_layers_compute_what_stacked_layers_compute():
+    """``unstack_layers`` (the decode loop's parameters) gives the same hidden states and cache, with
+    and without a cache, and the same gradient with remat; stacked parameters are left as they are."""
+    cfg = _tiny(3)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    flat = unstack_layers(params)
+    assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
+    np.testing.assert_array_equal(flat["layers_2"]["mlp"]["up_proj"], params["layers"]["mlp"]["up_proj"][2])
+    assert unstack_layers(flat) is flat
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
+    mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3], bool)
+    np.testing.assert_allclose(forward(cfg, flat, tokens, mask)[0], forward(cfg, params, tokens, mask)[0], rtol=1e-6, atol=1e-6)
+    offsets = jnp.array([0, 3], jnp.int32)  # a cached call: rows at their own offsets, a window below capacity
+    stacked = forward(cfg, params, tokens, mask, init_cache(cfg, 2, 32), offsets, 16)
+    unstacked = forward(cfg, flat, tokens, mask, init_cache(cfg, 2, 32), offsets, 16)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), unstacked, stacked)
+    assert float(jnp.abs(stacked[1].k).sum()) > 0  # the cache was written
+
+    def grad(cfg, p):
+        return jax.grad(lambda p: forward(cfg, p, tokens)[0].astype(jnp.float32).sum())(p)
+
+    remat = _tiny(3, remat=True)
+    got, want = grad(remat, flat), grad(remat, params)
+    for i in range(3):
+        jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a, b[i], rtol=1e-4, atol=1e-5), got[f"layers_{i}"], want["layers"])
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_stopped_row_writes_nothing_more(model_params):
     assert np.all(np.asarray(out.tokens[1, first + 1:]) == 0) and np.all(np.asarray(out.logp[1, first + 1:]) == 0)
     length = len(PROMPTS[1]) + first + 1
     assert int(state.lengths[1]) == length
-    assert np.all(np.asarray(state.cache.k[:, 1, length:]) == 0)  # nothing written past the stop
+    assert np.all(np.asarray(state.cache.k[:, 1, :, length:]) == 0)  # nothing written past the stop
     assert S.STOP_REASONS[int(out.stop_reason[0])] == "max_new_tokens"
 
 
@@ -317,8 +317,8 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
         np.testing.assert_array_equal(np.where(held, a.tokens, 0), np.where(held, b.tokens, 0))
         np.testing.assert_allclose(a.last_hidden, b.last_hidden, atol=1e-5)
         for x, y in ((a.cache.k, b.cache.k), (a.cache.v, b.cache.v)):
-            np.testing.assert_allclose(np.where(held[None, :, :, None, None], x, 0), np.where(held[None, :, :, None, None], y, 0),
-                                       atol=1e-5)
+            held_slots = held[None, :, None, :, None]  # cache [L, B, K, S, H]
+            np.testing.assert_allclose(np.where(held_slots, x, 0), np.where(held_slots, y, 0), atol=1e-5)
     assert (np.asarray(shared[-1].tokens)[1:] == -1).all()  # forgotten: the other rows were computed with `params`
 
 

@@ -118,7 +118,7 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
 
     smp = S.Sampler(cfg, slots=8, max_len=64, max_new_tokens=4, mesh=mesh)
     sampler_state = smp.extend(params, smp.init(), [[1, 2, 3]] * 8)
-    assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), None, "tensor")
+    assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), "tensor")
     rows = (jax.random.split(jax.random.PRNGKey(0), 8), np.ones(8, np.float32), np.ones(8, np.float32), np.full((8, 1), -1, np.int32),
             np.ones(8, bool), np.full(8, 4, np.int32))
     compiled = smp.lower_decode(params, sampler_state, *place_batch(rows, mesh)).compile()
@@ -126,7 +126,7 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     state_out, _ = compiled.output_shardings
     assert _spec(params_in["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
     for where in (state_in, state_out):
-        assert _spec(where.cache.k) == (None, ("data", "fsdp"), None, "tensor")
+        assert _spec(where.cache.k) == (None, ("data", "fsdp"), "tensor")
         assert _spec(where.lengths)[0] == ("data", "fsdp")
     # the cache is donated: the state passed in is consumed, not copied
     new_state, _ = smp.decode(params, sampler_state, jax.random.PRNGKey(0), [1.0] * 8, [1.0] * 8, [[-1]] * 8, [True] * 8)

@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# logical axes of the KV cache [layers, batch, cache slots, KV heads, head dim]
-CACHE_AXES = ("layers", "act_batch", "cache_length", "act_kv_heads", "head_dim")
+# logical axes of the KV cache [layers, batch, KV heads, cache slots, head dim]
+CACHE_AXES = ("layers", "act_batch", "act_kv_heads", "cache_length", "head_dim")
 
 # logical axis name -> mesh axis (or axes, or None = replicated)
 LOGICAL_AXIS_RULES: tuple[tuple[str, Optional[str | tuple[str, ...]]], ...] = (
@@ -105,7 +105,7 @@ def constrain_rows(x: jax.Array) -> jax.Array:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """The KV cache ``[L, B, S, K, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
+    """The KV cache ``[L, B, K, S, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
 
 

@@ -19,8 +19,9 @@ The model returns final-normed hidden states ``[B, T, D]``; logits are a separat
 step (``logits_from_hidden``) so training can compute log-probs in chunks without ever holding
 ``[B, T, V]`` float32 logits.
 
-KV cache: right-padded slots ``[L, B, S, K, H]``. A call writes its ``T`` new tokens of row ``b``
-at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and attends to every cache index
+KV cache: right-padded slots ``[L, B, K, S, H]`` (each KV head's slots contiguous: attention reads
+them as they are, where ``[.., S, K, H]`` made every call transpose them first). A call writes its
+``T`` new tokens of row ``b`` at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and attends to every cache index
 ``<= offsets[b] + t``. Positions (RoPE) equal cache indices. The whole cache is the layer scan's
 carry, updated in place (a scatter of the new tokens), never re-stacked; and a call reads only the
 first ``window`` slots (static, a bucket above the longest row), so its cost follows the tokens the
@@ -44,16 +45,16 @@ Array = jax.Array
 
 
 class KVCache(NamedTuple):
-    k: Array  # [L, B, S, K, H]
-    v: Array  # [L, B, S, K, H]
+    k: Array  # [L, B, K, S, H]
+    v: Array  # [L, B, K, S, H]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
 
 
@@ -117,6 +118,23 @@ def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int)
     return jnp.concatenate(outs, axis=1).reshape(B, T, N, H)
 
 
+def cached_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Softmax attention of ``q [B, T, N, H]`` to cache windows ``k, v [B, K, W, H]`` under ``mask
+    [B, 1, T, W]`` -> ``[B, T, N, H]``. Each group of ``N / K`` query heads shares its KV head; the
+    keys and values are read in their cache layout. Scores and softmax are float32."""
+    B, T, N, H = q.shape
+    K, W = k.shape[1], k.shape[2]
+    G = N // K
+    # [B, K, G*T, H]: each KV head's queries as the rows of one matrix, batch dims leading on both
+    # sides (XLA's CPU backend otherwise transposes operands or falls back to a slower dot)
+    q = (q * (H ** -0.5)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32).reshape(B, K, G, T, W)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min).reshape(B, K, G * T, W)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(B, K, G, T, H)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -142,7 +160,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index, cache_rows):
-        """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, slots, S, K, H]``, of which
+        """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, slots, K, S, H]``, of which
         this is layer ``layer``, attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
         ``write_index [B, T]`` the cache index of each new token (out of range = not written); row
         ``b`` of the block is cache row ``cache_rows[b]`` (None: the block holds every cache row).
@@ -172,18 +190,22 @@ class Attention(nn.Module):
 
         if cache_kv is not None:
             rows = (jnp.arange(k.shape[0]) if cache_rows is None else cache_rows)[:, None]
-            cache_k = cache_kv[0].at[layer, rows, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
-            cache_v = cache_kv[1].at[layer, rows, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
-            _, slots, _, K_, H_ = cache_k.shape
-            window = (1, slots, mask.shape[-1], K_, H_)
-            k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]
+            # [B, T] indices around the heads' slice: the update is [B, T, K, H], k's own layout
+            cache_k = cache_kv[0].at[layer, rows, :, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
+            cache_v = cache_kv[1].at[layer, rows, :, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
+            _, slots, K_, _, H_ = cache_k.shape
+            window = (1, slots, K_, mask.shape[-1], H_)
+            k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]  # [B, K, W, H]
             v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
             if cache_rows is not None:  # only the block's rows
                 k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
-        if cache_kv is None and cfg.attention_impl is None:
-            out = causal_attention(q, k, v, key_valid, cfg.attention_chunk)
+        if cfg.attention_impl is None:
+            out = (causal_attention(q, k, v, key_valid, cfg.attention_chunk) if cache_kv is None
+                   else cached_attention(q, k.astype(dtype), v.astype(dtype), mask))
         else:
+            if cache_kv is not None:
+                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, W, K, H], the library's layout
             mask = mask if mask is not None else causal_mask(key_valid)
             out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask,
                                                implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl)
@@ -222,9 +244,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. ``__call__`` returns ``(hidden [B, T, D], new_cache | None)``."""
+    """Decoder-only LM. ``__call__`` returns ``(hidden [B, T, D], new_cache | None)``.
+
+    ``unstacked``: the parameters hold layer ``i`` as ``layers_i`` (``unstack_layers``) instead of
+    one stacked ``layers`` tree; the same computation, as a loop over separate arrays."""
 
     config: ModelConfig
+    unstacked: bool = False
 
     @nn.compact
     def __call__(
@@ -273,6 +299,13 @@ class Transformer(nn.Module):
         layer = DecoderLayer
         if cfg.remat:
             layer = nn.remat(layer, prevent_cse=False)
+        if self.unstacked:  # one parameter tree per layer (``unstack_layers``): a plain loop, no slicing
+            carry = (x, layer_cache)
+            for i in range(cfg.num_layers):
+                carry, _ = layer(cfg, name=f"layers_{i}")(carry, i, positions, mask, attention_mask, write_index, cache_rows)
+            x, new_cache = carry
+            x = RMSNorm(cfg, name="final_norm")(x)
+            return x, (None if cache is None else KVCache(*new_cache))
         stack = nn.scan(
             layer,
             variable_axes={"params": 0},
@@ -303,8 +336,26 @@ def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
 
 
 def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None, cache_rows=None):
-    """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``."""
-    return Transformer(cfg).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows)
+    """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``. ``params``
+    stacked (as stored) or unstacked (``unstack_layers``)."""
+    unstacked = "layers" not in params
+    return Transformer(cfg, unstacked).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows)
+
+
+def unstack_layers(params):
+    """The parameters with layer ``i``'s arrays as their own tree ``layers_i`` instead of the
+    ``[L, ...]`` stacked ``layers``; ``forward`` takes either.
+
+    For loops that run the model many times on the same parameters (decoding): a stacked layer's
+    weights are sliced out of ``[L, ...]`` inside every iteration, and XLA's CPU backend copies each
+    slice (the per-token decode step of a 30M model spent a third of its time copying weights).
+    Sliced once before the loop, the loop body reads the arrays in place."""
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(jax.tree.leaves(params["layers"])[0].shape[0]):
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
 
 
 def abstract_params(cfg: ModelConfig):

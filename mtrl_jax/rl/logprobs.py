@@ -108,9 +108,9 @@ def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_m
     B, S = tokens.shape
     hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
 
-    def rows(x):  # [L, 1, P, K, H] -> [L, B, P + S, K, H]: the prefix for every row, then room for its own
+    def rows(x):  # [L, 1, K, P, H] -> [L, B, K, P + S, H]: the prefix for every row, then room for its own
         x = jnp.broadcast_to(x, (x.shape[0], B) + x.shape[2:])
-        return jnp.concatenate([x, jnp.zeros(x.shape[:2] + (S,) + x.shape[3:], x.dtype)], axis=2)
+        return jnp.concatenate([x, jnp.zeros(x.shape[:3] + (S,) + x.shape[4:], x.dtype)], axis=3)
 
     hidden, _ = forward(cfg, params, tokens, attention_mask, KVCache(rows(cache.k), rows(cache.v)),
                         jnp.full((B,), P, jnp.int32))

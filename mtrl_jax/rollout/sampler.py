@@ -35,14 +35,14 @@ from jax.sharding import Mesh
 
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, batch_sharding, cache_sharding, place_batch
-from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from_hidden
+from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from_hidden, unstack_layers
 
 # Why a row stopped decoding.
 STOP_TOKEN, MAX_NEW_TOKENS, CACHE_FULL, INACTIVE = 0, 1, 2, 3
 STOP_REASONS = {STOP_TOKEN: "stop_token", MAX_NEW_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full", INACTIVE: "inactive"}
 
 class SamplerState(NamedTuple):
-    cache: KVCache  # [L, B, S, K, H]
+    cache: KVCache  # [L, B, K, S, H]
     lengths: jax.Array  # [B] int32: tokens held per row
     last_hidden: jax.Array  # [B, D]: hidden state of each row's last token (next-token logits)
     # [B, S] int32: the token whose keys and values each cache slot holds, also past a row's length
@@ -97,16 +97,18 @@ def share_prefixes(state: SamplerState, src: jax.Array, dst: jax.Array, count: j
     ``dst`` out of range: a padding pair, nothing written."""
     take = jnp.arange(window)[None, :] < count[:, None]  # [R, W]
 
-    def copy(x, batch_axis):  # x [..., B, S, ...]: the first `window` slots of rows dst from rows src
-        part = jax.lax.slice_in_dim(x, 0, window, axis=batch_axis + 1)
+    def copy(x, batch_axis, slot_axis):  # the first `window` slots of rows dst from rows src
+        part = jax.lax.slice_in_dim(x, 0, window, axis=slot_axis)
         source, target = jnp.take(part, src, axis=batch_axis), jnp.take(part, dst, axis=batch_axis, mode="clip")
-        mask = take.reshape(take.shape + (1,) * (x.ndim - batch_axis - 2))
-        new = jnp.where(mask, source, target)
-        index = (slice(None),) * batch_axis + (dst[:, None], jnp.arange(window)[None, :])
-        return x.at[index].set(new, mode="drop")
+        mask = np.ones(x.ndim - batch_axis, int)
+        mask[0], mask[slot_axis - batch_axis] = take.shape
+        new = jnp.where(take.reshape(tuple(mask)), source, target)
+        index = [slice(None)] * x.ndim
+        index[batch_axis], index[slot_axis] = dst, slice(0, window)
+        return x.at[tuple(index)].set(new, mode="drop")
 
-    cache = KVCache(copy(state.cache.k, 1), copy(state.cache.v, 1))
-    return SamplerState(cache, state.lengths.at[dst].set(count, mode="drop"), state.last_hidden, copy(state.tokens, 0))
+    cache = KVCache(copy(state.cache.k, 1, 3), copy(state.cache.v, 1, 3))  # [L, B, K, S, H]
+    return SamplerState(cache, state.lengths.at[dst].set(count, mode="drop"), state.last_hidden, copy(state.tokens, 0, 1))
 
 
 def forget(state: SamplerState) -> SamplerState:
@@ -170,6 +172,7 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
     """
     B = state.lengths.shape[0]
     max_len = min(window or state.cache.max_len, state.cache.max_len)
+    params = unstack_layers(params)  # once per call, not per token: the loop reads each layer's arrays in place
     room = state.lengths < max_len
     reason = jnp.where(active & ~room, CACHE_FULL, INACTIVE).astype(jnp.int32)
     active = active & room
