@@ -240,6 +240,8 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     flat = unstack_layers(params)
     assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
     np.testing.assert_array_equal(flat["layers_2"]["mlp"]["up_proj"], params["layers"]["mlp"]["up_proj"][2])
+    np.testing.assert_array_equal(flat["layers_1"]["mlp"]["down_proj_t"], params["layers"]["mlp"]["down_proj"][1].T)
+    assert "down_proj" not in flat["layers_0"]["mlp"]
     assert unstack_layers(flat) is flat
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
     mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3], bool)
@@ -256,7 +258,9 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     remat = _tiny(3, remat=True)
     got, want = grad(remat, flat), grad(remat, params)
     for i in range(3):
-        jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a, b[i], rtol=1e-4, atol=1e-5), got[f"layers_{i}"], want["layers"])
+        layer = got[f"layers_{i}"]
+        layer["mlp"]["down_proj"] = layer["mlp"].pop("down_proj_t").T
+        jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a, b[i], rtol=1e-4, atol=1e-5), layer, want["layers"])
 
 
 @pytest.mark.slow

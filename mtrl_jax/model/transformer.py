@@ -222,10 +222,11 @@ class MLP(nn.Module):
         D, F, dtype = cfg.hidden_size, cfg.intermediate_size, cfg.compute_dtype
         gate = _param(self, "gate_proj", (D, F), ("embed", "mlp"))
         up = _param(self, "up_proj", (D, F), ("embed", "mlp"))
-        down = _param(self, "down_proj", (F, D), ("mlp", "embed"))
         h = nn.silu(x @ gate.astype(dtype)) * (x @ up.astype(dtype))
         h = nn.with_logical_constraint(h, ("act_batch", "act_length", "act_mlp"))
-        return h @ down.astype(dtype)
+        if self.has_variable("params", "down_proj_t"):  # [D, F]: the decode layout (``unstack_layers``)
+            return jnp.einsum("...f,df->...d", h, self.get_variable("params", "down_proj_t").astype(dtype))
+        return h @ _param(self, "down_proj", (F, D), ("mlp", "embed")).astype(dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -343,18 +344,24 @@ def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, o
 
 
 def unstack_layers(params):
-    """The parameters with layer ``i``'s arrays as their own tree ``layers_i`` instead of the
-    ``[L, ...]`` stacked ``layers``; ``forward`` takes either.
+    """The parameters in the decode layout: layer ``i``'s arrays as their own tree ``layers_i``
+    instead of the ``[L, ...]`` stacked ``layers``, and each MLP's ``down_proj [F, D]`` as
+    ``down_proj_t [D, F]``; ``forward`` takes either layout and computes the same.
 
     For loops that run the model many times on the same parameters (decoding): a stacked layer's
     weights are sliced out of ``[L, ...]`` inside every iteration, and XLA's CPU backend copies each
     slice (the per-token decode step of a 30M model spent a third of its time copying weights).
-    Sliced once before the loop, the loop body reads the arrays in place."""
+    Sliced once before the loop, the loop body reads the arrays in place. And a few rows times
+    ``[F, D]`` (``F`` = 3 ``D``) ran at half the memory bandwidth of the same product with ``[D, F]``
+    (the 30M model's decode: 1.16x tokens/s, same tokens)."""
     if "layers" not in params:
         return params
     out = {k: v for k, v in params.items() if k != "layers"}
     for i in range(jax.tree.leaves(params["layers"])[0].shape[0]):
-        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        layer = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        mlp = dict(layer["mlp"])
+        mlp["down_proj_t"] = mlp.pop("down_proj").T
+        out[f"layers_{i}"] = {**layer, "mlp": mlp}
     return out
 
 
