@@ -97,42 +97,55 @@ def causal_mask(key_valid: Array) -> Array:
     return ((steps[:, None] >= steps[None, :])[None] & key_valid[:, None, :])[:, None]
 
 
+def attend(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """Softmax attention of ``q [B, K, G, C, H]`` (scaled; the ``G`` query heads of each KV head) to
+    ``k, v [B, K, S, H]`` where ``visible [B, C, S]`` -> ``[B, K, G, C, H]``.
+
+    Batch dims lead on every operand and each KV head's ``G x C`` queries are the rows of one
+    matrix: XLA's CPU backend then runs both products without transposing an operand. Scores and
+    the softmax are float32; the softmax is normalised after the product with ``v`` (``C x H``
+    divisions instead of ``C x S``). A query with no visible key gets a uniform average, not NaN."""
+    B, K, G, C, H = q.shape
+    S = k.shape[2]
+    scores = jnp.einsum("bkmh,bksh->bkms", q.reshape(B, K, G * C, H), k, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None], scores.reshape(B, K, G, C, S), jnp.finfo(jnp.float32).min)
+    weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    out = jnp.einsum("bkms,bksh->bkmh", weights.reshape(B, K, G * C, S).astype(v.dtype), v).reshape(B, K, G, C, H)
+    return out / jnp.sum(weights, axis=-1, keepdims=True).astype(out.dtype)
+
+
+def _grouped(q: Array, K: int) -> Array:
+    """``q [B, T, N, H]`` -> scaled ``[B, K, N / K, T, H]``: query head ``n`` reads KV head ``n // (N / K)``."""
+    B, T, N, H = q.shape
+    return (q * (H ** -0.5)).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(out: Array) -> Array:
+    """``[B, K, G, T, H]`` -> ``[B, T, K * G, H]``."""
+    B, K, G, T, H = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+
+
 def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int) -> Array:
     """Causal softmax attention, ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` -> ``[B, T, N, H]``.
 
     The queries go in chunks of ``chunk`` positions; a chunk ending at ``e`` scores only keys
-    ``0..e-1``, so about half of the ``T x T`` score matrix is never computed. Each group of
-    ``N / K`` query heads shares its KV head without a copy. Scores and softmax are float32. A
-    query with no visible key (a row of padding) gets a uniform average instead of NaN."""
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    q = (q * (H ** -0.5)).reshape(B, T, K, N // K, H)
+    ``0..e-1``, so about half of the ``T x T`` score matrix is never computed (``attend``)."""
+    T, K = q.shape[1], k.shape[2]
+    q = _grouped(q, K)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     outs = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q[:, start:end], k[:, :end], preferred_element_type=jnp.float32)
         visible = (jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :])[None] & key_valid[:, None, :end]
-        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, v[:, :end]))
-    return jnp.concatenate(outs, axis=1).reshape(B, T, N, H)
+        outs.append(attend(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end], visible))
+    return _ungrouped(jnp.concatenate(outs, axis=3))
 
 
 def cached_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Softmax attention of ``q [B, T, N, H]`` to cache windows ``k, v [B, K, W, H]`` under ``mask
-    [B, 1, T, W]`` -> ``[B, T, N, H]``. Each group of ``N / K`` query heads shares its KV head; the
-    keys and values are read in their cache layout. Scores and softmax are float32."""
-    B, T, N, H = q.shape
-    K, W = k.shape[1], k.shape[2]
-    G = N // K
-    # [B, K, G*T, H]: each KV head's queries as the rows of one matrix, batch dims leading on both
-    # sides (XLA's CPU backend otherwise transposes operands or falls back to a slower dot)
-    q = (q * (H ** -0.5)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    scores = jnp.einsum("bkmh,bksh->bkms", q, k, preferred_element_type=jnp.float32).reshape(B, K, G, T, W)
-    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min).reshape(B, K, G * T, W)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkms,bksh->bkmh", probs, v).reshape(B, K, G, T, H)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    """Attention of ``q [B, T, N, H]`` to cache windows ``k, v [B, K, W, H]`` (read in their cache
+    layout) under ``mask [B, 1, T, W]`` -> ``[B, T, N, H]``."""
+    return _ungrouped(attend(_grouped(q, k.shape[1]), k, v, mask[:, 0]))
 
 
 # ----------------------------------------------------------------------------- modules
