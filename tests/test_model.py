@@ -251,6 +251,13 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     unstacked = forward(cfg, flat, tokens, mask, init_cache(cfg, 2, 32), offsets, 16)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), unstacked, stacked)
     assert float(jnp.abs(stacked[1].k).sum()) > 0  # the cache was written
+    # decode's working copy: each layer's first 16 slots as its own array, then written back
+    cache = init_cache(cfg, 2, 32)
+    work = cache.per_layer(16)
+    assert len(work.k) == 3 and work.k[0].shape == (2, cfg.num_kv_heads, 16, cfg.head_dim) and work.max_len == 16
+    hidden, work = forward(cfg, flat, tokens, mask, work, offsets, 16)
+    np.testing.assert_allclose(hidden, stacked[0], rtol=1e-6, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), cache.write_back(work), stacked[1])
 
     def grad(cfg, p):
         return jax.grad(lambda p: forward(cfg, p, tokens)[0].astype(jnp.float32).sum())(p)

@@ -45,12 +45,24 @@ Array = jax.Array
 
 
 class KVCache(NamedTuple):
-    k: Array  # [L, B, K, S, H]
-    v: Array  # [L, B, K, S, H]
+    k: Array  # [L, B, K, S, H], or a tuple of L arrays [B, K, S, H] (``per_layer``)
+    v: Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
+
+    def per_layer(self, window: int) -> "KVCache":
+        """Each layer's first ``window`` slots as its own array: a decode loop's working copy (unstacked
+        parameters only). Attention then reads a layer's keys and values where they are, where a window
+        of the stacked cache is a slice that XLA's CPU backend copies at every token."""
+        return KVCache(tuple(self.k[i, :, :, :window] for i in range(self.k.shape[0])),
+                       tuple(self.v[i, :, :, :window] for i in range(self.v.shape[0])))
+
+    def write_back(self, work: "KVCache") -> "KVCache":
+        """This cache with ``work`` (``per_layer``'s copy, updated) written over its first slots."""
+        window = work.max_len
+        return KVCache(self.k.at[:, :, :, :window].set(jnp.stack(work.k)), self.v.at[:, :, :, :window].set(jnp.stack(work.v)))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -204,12 +216,20 @@ class Attention(nn.Module):
         if cache_kv is not None:
             rows = (jnp.arange(k.shape[0]) if cache_rows is None else cache_rows)[:, None]
             # [B, T] indices around the heads' slice: the update is [B, T, K, H], k's own layout
-            cache_k = cache_kv[0].at[layer, rows, :, write_index].set(k.astype(cache_kv[0].dtype), mode="drop")
-            cache_v = cache_kv[1].at[layer, rows, :, write_index].set(v.astype(cache_kv[1].dtype), mode="drop")
-            _, slots, K_, _, H_ = cache_k.shape
-            window = (1, slots, K_, mask.shape[-1], H_)
-            k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]  # [B, K, W, H]
-            v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
+            at = (rows, slice(None), write_index) if layer is None else (layer, rows, slice(None), write_index)
+            cache_k = cache_kv[0].at[at].set(k.astype(cache_kv[0].dtype), mode="drop")
+            cache_v = cache_kv[1].at[at].set(v.astype(cache_kv[1].dtype), mode="drop")
+            if layer is None and cache_k.shape[2] == mask.shape[-1]:  # this layer's own cache, the window's size
+                k, v = cache_k, cache_v
+            else:
+                if layer is None:
+                    cache_k, cache_v = cache_k[None], cache_v[None]
+                _, slots, K_, _, H_ = cache_k.shape
+                window = (1, slots, K_, mask.shape[-1], H_)
+                k = jax.lax.dynamic_slice(cache_k, (0 if layer is None else layer, 0, 0, 0, 0), window)[0]  # [B, K, W, H]
+                v = jax.lax.dynamic_slice(cache_v, (0 if layer is None else layer, 0, 0, 0, 0), window)[0]
+                if layer is None:
+                    cache_k, cache_v = cache_k[0], cache_v[0]
             if cache_rows is not None:  # only the block's rows
                 k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
@@ -314,10 +334,17 @@ class Transformer(nn.Module):
         if cfg.remat:
             layer = nn.remat(layer, prevent_cse=False)
         if self.unstacked:  # one parameter tree per layer (``unstack_layers``): a plain loop, no slicing
-            carry = (x, layer_cache)
+            per_layer = cache is not None and isinstance(cache.k, (tuple, list))  # ``KVCache.per_layer``
+            carry, ks, vs = (x, layer_cache), [], []
             for i in range(cfg.num_layers):
-                carry, _ = layer(cfg, name=f"layers_{i}")(carry, i, positions, mask, attention_mask, write_index, cache_rows)
-            x, new_cache = carry
+                if per_layer:
+                    carry = (carry[0], (cache.k[i], cache.v[i]))
+                carry, _ = layer(cfg, name=f"layers_{i}")(carry, None if per_layer else i, positions, mask, attention_mask,
+                                                          write_index, cache_rows)
+                if per_layer:
+                    ks.append(carry[1][0])
+                    vs.append(carry[1][1])
+            x, new_cache = carry[0], ((tuple(ks), tuple(vs)) if per_layer else carry[1])
             x = RMSNorm(cfg, name="final_norm")(x)
             return x, (None if cache is None else KVCache(*new_cache))
         stack = nn.scan(

@@ -171,7 +171,8 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
     length + ``max_new_tokens`` must fit, or the row stops with ``CACHE_FULL`` at the window's end.
     """
     B = state.lengths.shape[0]
-    max_len = min(window or state.cache.max_len, state.cache.max_len)
+    capacity = state.cache.max_len
+    max_len = min(window or capacity, capacity)
     params = unstack_layers(params)  # once per call, not per token: the loop reads each layer's arrays in place
     room = state.lengths < max_len
     reason = jnp.where(active & ~room, CACHE_FULL, INACTIVE).astype(jnp.int32)
@@ -196,16 +197,18 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
         last = (i + 1 >= max_new_tokens) | (num_tokens >= budget)
         # a row that ends its tokens of this call exactly at the end of a window narrower than the cache
         # is not full (the next call attends to a larger window); at the cache's end it is
-        out_of_room = full & (~last | (state.lengths >= state.cache.max_len))
+        out_of_room = full & (~last | (state.lengths >= capacity))
         reason = jnp.where(active & is_stop, STOP_TOKEN,
                            jnp.where(active & out_of_room, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
         active = active & ~is_stop & ~full & ~last
         return i + 1, state, active, out_tokens, out_logp, num_tokens, reason
 
-    carry = (jnp.int32(0), state, active, jnp.zeros((B, max_new_tokens), jnp.int32),
-             jnp.zeros((B, max_new_tokens), jnp.float32), jnp.zeros((B,), jnp.int32), reason)
-    _, state, _, tokens, logp, num_tokens, reason = jax.lax.while_loop(cond, body, carry)
-    return state, DecodeOutput(tokens, logp, num_tokens, reason)
+    # the loop runs on a copy of the window, one array per layer (``KVCache.per_layer``), written back after
+    carry = (jnp.int32(0), state._replace(cache=state.cache.per_layer(max_len)), active,
+             jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B, max_new_tokens), jnp.float32),
+             jnp.zeros((B,), jnp.int32), reason)
+    _, work, _, tokens, logp, num_tokens, reason = jax.lax.while_loop(cond, body, carry)
+    return work._replace(cache=state.cache.write_back(work.cache)), DecodeOutput(tokens, logp, num_tokens, reason)
 
 
 # ----------------------------------------------------------------------------- host wrapper
