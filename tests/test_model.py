@@ -258,6 +258,8 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     hidden, work = forward(cfg, flat, tokens, mask, work, offsets, 16)
     np.testing.assert_allclose(hidden, stacked[0], rtol=1e-6, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), cache.write_back(work), stacked[1])
+    with pytest.raises(ValueError, match="per-layer cache of 16 slots"):  # a per-layer cache is read whole
+        forward(cfg, flat, tokens[:, :2], mask[:, :2], cache.per_layer(16), jnp.zeros(2, jnp.int32), 8)
 
     def grad(cfg, p):
         return jax.grad(lambda p: forward(cfg, p, tokens)[0].astype(jnp.float32).sum())(p)

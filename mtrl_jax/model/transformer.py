@@ -21,11 +21,12 @@ step (``logits_from_hidden``) so training can compute log-probs in chunks withou
 
 KV cache: right-padded slots ``[L, B, K, S, H]`` (each KV head's slots contiguous: attention reads
 them as they are, where ``[.., S, K, H]`` made every call transpose them first). A call writes its
-``T`` new tokens of row ``b`` at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and attends to every cache index
-``<= offsets[b] + t``. Positions (RoPE) equal cache indices. The whole cache is the layer scan's
-carry, updated in place (a scatter of the new tokens), never re-stacked; and a call reads only the
-first ``window`` slots (static, a bucket above the longest row), so its cost follows the tokens the
-rows hold, not the cache's capacity.
+``T`` new tokens of row ``b`` at cache indices ``offsets[b] + t`` (only where ``valid[b, t]``) and
+attends to every cache index ``<= offsets[b] + t``. Positions (RoPE) equal cache indices. The whole
+cache is the layer scan's carry, updated in place (a scatter of the new tokens), never re-stacked;
+and a call reads only the first ``window`` slots (static, a bucket above the longest row), so its
+cost follows the tokens the rows hold, not the cache's capacity. A decode loop runs on a copy of
+its window with one array per layer (``KVCache.per_layer``), written back after the loop.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index, cache_rows):
         """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, slots, K, S, H]``, of which
-        this is layer ``layer``, attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
+        this is layer ``layer`` (``layer`` None: this layer's own ``[slots, K, W, H]``, ``KVCache.per_layer``),
+        attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
         ``write_index [B, T]`` the cache index of each new token (out of range = not written); row
         ``b`` of the block is cache row ``cache_rows[b]`` (None: the block holds every cache row).
         Without, causal attention over the block, to the keys where ``key_valid [B, T]``."""
@@ -219,17 +221,16 @@ class Attention(nn.Module):
             at = (rows, slice(None), write_index) if layer is None else (layer, rows, slice(None), write_index)
             cache_k = cache_kv[0].at[at].set(k.astype(cache_kv[0].dtype), mode="drop")
             cache_v = cache_kv[1].at[at].set(v.astype(cache_kv[1].dtype), mode="drop")
-            if layer is None and cache_k.shape[2] == mask.shape[-1]:  # this layer's own cache, the window's size
+            if layer is None:  # this layer's own cache (``KVCache.per_layer``): the window itself, read in place
+                if cache_k.shape[2] != mask.shape[-1]:
+                    raise ValueError(f"a per-layer cache of {cache_k.shape[2]} slots is read as a whole, "
+                                     f"but the call attends to a window of {mask.shape[-1]}")
                 k, v = cache_k, cache_v
             else:
-                if layer is None:
-                    cache_k, cache_v = cache_k[None], cache_v[None]
                 _, slots, K_, _, H_ = cache_k.shape
                 window = (1, slots, K_, mask.shape[-1], H_)
-                k = jax.lax.dynamic_slice(cache_k, (0 if layer is None else layer, 0, 0, 0, 0), window)[0]  # [B, K, W, H]
-                v = jax.lax.dynamic_slice(cache_v, (0 if layer is None else layer, 0, 0, 0, 0), window)[0]
-                if layer is None:
-                    cache_k, cache_v = cache_k[0], cache_v[0]
+                k = jax.lax.dynamic_slice(cache_k, (layer, 0, 0, 0, 0), window)[0]  # [B, K, W, H]
+                v = jax.lax.dynamic_slice(cache_v, (layer, 0, 0, 0, 0), window)[0]
             if cache_rows is not None:  # only the block's rows
                 k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
