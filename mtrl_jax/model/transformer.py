@@ -346,19 +346,18 @@ class Transformer(nn.Module):
                     ks.append(carry[1][0])
                     vs.append(carry[1][1])
             x, new_cache = carry[0], ((tuple(ks), tuple(vs)) if per_layer else carry[1])
-            x = RMSNorm(cfg, name="final_norm")(x)
-            return x, (None if cache is None else KVCache(*new_cache))
-        stack = nn.scan(
-            layer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
-            length=cfg.num_layers,
-            unroll=cfg.scan_unroll or cfg.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
-                                                      attention_mask, write_index, cache_rows)
+        else:
+            stack = nn.scan(
+                layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
+                length=cfg.num_layers,
+                unroll=cfg.scan_unroll or cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
+                                                          attention_mask, write_index, cache_rows)
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 
