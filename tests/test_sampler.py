@@ -327,8 +327,24 @@ def test_decode_windows_start_above_the_shortest_prompt(model_params):
     ``max_new_tokens`` more: the windows below that are not precompiled (no call takes them)."""
     model, _ = model_params
     full = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48)
-    assert full.call_shapes()[1] == [64, 128, 256, 512]
+    assert full.call_shapes()[1] == [64, 96, 128, 192, 256, 384, 512]  # two an octave
     short = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)  # the default's
-    assert short.call_shapes()[1] == [256, 512]
+    assert short.call_shapes()[1] == [192, 256, 384, 512]
     assert short.call_shapes()[0] == full.call_shapes()[0]  # extend: every window (a call may hold a prompt's first pieces)
     assert S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=600).call_shapes()[1] == [512]
+
+
+def test_decode_window_follows_the_rows_budgets(model_params):
+    """A decode call attends to the smallest decode window that holds its longest active row plus
+    that row's budget (at most ``max_new_tokens``), never one below the precompiled windows."""
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)
+    state = smp.extend(params, smp.init(), [[1] * 150, [2] * 90, [3] * 300])
+    active = np.array([True, True, False])
+    assert smp.window(state, active, np.array([48, 48, 48])) == 256  # 150 + 48
+    assert smp.window(state, active, np.array([30, 48, 48])) == 192  # 150 + 30 (the row stops at its budget)
+    assert smp.window(state, active, 500) == 256  # a budget above max_new_tokens reads max_new_tokens more
+    assert smp.window(state, np.array([False, True, False]), 10) == 192  # 100 fits 128, not precompiled: 192
+    assert smp.window(state, np.array([False, False, True]), 48) == 384
+    assert S.window_for(97, 512, fine=True) == 128 and S.window_for(97, 512) == 128 and S.window_for(129, 512) == 256
+    assert S.windows(4096, 300, fine=True) == [384, 512, 768, 1024, 1536, 2048, 3072, 4096]

@@ -168,7 +168,8 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
     [B, n]`` int32 (-1 = unused); ``active [B]`` bool; ``budget [B]`` int32. A stop token is kept
     (written to the cache and returned). Rows that are inactive or have stopped write nothing.
     Attention reads the first ``window`` cache slots (static; default all): every active row's
-    length + ``max_new_tokens`` must fit, or the row stops with ``CACHE_FULL`` at the window's end.
+    length + ``min(budget, max_new_tokens)`` must fit, or the row stops with ``CACHE_FULL`` at the
+    window's end.
     """
     B = state.lengths.shape[0]
     capacity = state.cache.max_len
@@ -263,14 +264,21 @@ def _common(a: np.ndarray, b: np.ndarray, n: int) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def windows(max_len: int, at_least: int = 0) -> list[int]:
-    """The attention windows calls use: powers of two >= 64 (and >= ``at_least``'s bucket) below
-    ``max_len``, and ``max_len``."""
-    out, w = [], bucket_length(max(at_least, 1), 64)
+def windows(max_len: int, at_least: int = 0, fine: bool = False) -> list[int]:
+    """The attention windows calls use: powers of two >= 64 (and >= ``at_least``'s window) below
+    ``max_len``, and ``max_len``; ``fine`` adds 1.5x each power of two (64, 96, 128, 192, 256, 384,
+    ...), two windows an octave: a decode call reads at most a third more slots than it needs,
+    not twice as many, for one more program per octave."""
+    out, w = [], 64
     while w < max_len:
-        out.append(w)
+        out += [w] + ([w * 3 // 2] if fine and w * 3 // 2 < max_len else [])
         w *= 2
-    return out + [max_len]
+    return [x for x in out if x >= min(max(at_least, 1), max_len)] + [max_len]
+
+
+def window_for(reach: int, max_len: int, fine: bool = False) -> int:
+    """The smallest of ``windows(max_len, fine=fine)`` that holds ``reach`` slots."""
+    return next(w for w in windows(max_len, fine=fine) if w >= min(reach, max_len))
 
 
 @dataclasses.dataclass
@@ -332,11 +340,15 @@ class Sampler:
         """Every ``(lines, window)`` an ``extend`` call can take, and every ``decode`` window. A
         call of ``lines`` > 8 lines holds more than ``lines / 2`` pieces (``call_lines``), and the rows
         within a window hold at most ``slots x ceil(window / piece)`` of them. A decode call's rows hold
-        at least ``min_length`` tokens, and it attends to ``max_new_tokens`` more."""
+        at least ``min_length`` tokens, and it attends to ``max_new_tokens`` more (``window`` takes no
+        narrower one for a smaller budget)."""
         line_counts = [8 << i for i in range(self._max_lines.bit_length()) if 8 << i <= self._max_lines]
         extend_shapes = [(lines, w) for w in windows(self.max_len) for lines in line_counts
                          if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)]
-        return extend_shapes, windows(self.max_len, self.min_length + self.max_new_tokens)
+        return extend_shapes, self._decode_windows()
+
+    def _decode_windows(self) -> list[int]:
+        return windows(self.max_len, self.min_length + self.max_new_tokens, fine=True)
 
     def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
         """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
@@ -378,13 +390,17 @@ class Sampler:
                 if key not in self._programs:
                     self._programs[key] = lower().compile()
 
-    def window(self, state: SamplerState, rows, new_tokens: int) -> int:
-        """The cache slots a call attends to: a power of two (>= 64) above the longest of ``rows``
-        plus ``new_tokens``, at most ``max_len``. A handful of values, so a handful of programs; the
-        per-token cost follows the tokens held, not the cache's capacity."""
-        lengths = np.asarray(jax.device_get(state.lengths))[np.asarray(rows, bool)]
-        longest = int(lengths.max()) if lengths.size else 0
-        return min(self.max_len, bucket_length(longest + new_tokens, 64))
+    def window(self, state: SamplerState, rows, new_tokens) -> int:
+        """The cache slots a decode call attends to: the smallest of the decode windows (``windows``,
+        two an octave, none below the one ``precompile`` starts at) that holds the longest of
+        ``rows`` plus its ``new_tokens`` (one count, or one per row: the rows' budgets). A handful of
+        values, so a handful of programs; the per-token cost follows the tokens held, not the
+        cache's capacity."""
+        rows = np.asarray(rows, bool)
+        lengths = np.asarray(jax.device_get(state.lengths))[rows]
+        new = np.broadcast_to(np.minimum(np.asarray(new_tokens), self.max_new_tokens), rows.shape)[rows]
+        reach = int((lengths + new).max()) if lengths.size else 0
+        return max(window_for(reach, self.max_len, fine=True), self._decode_windows()[0])
 
     def init(self) -> SamplerState:
         with activate(self.mesh):
@@ -497,7 +513,7 @@ class Sampler:
                 rows[line], starts[line], num_new[line] = row, start - added[row], len(chunk)
                 last[line] = start + len(chunk) >= len(blocks[row])
             reach = lengths[rows] + starts + num_new
-            window = min(self.max_len, bucket_length(int(reach.max()), 64))
+            window = window_for(int(reach.max()), self.max_len)
             self.tokens_extended += int(num_new.sum())
             self.tokens_computed += tokens.size
             np.add.at(lengths, rows, num_new)
@@ -518,7 +534,7 @@ class Sampler:
             budget = np.full(self.slots, self.max_new_tokens, np.int32)
         rows = (row_keys, np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(stop_tokens, np.int32),
                 np.asarray(active, bool), np.asarray(budget, np.int32))
-        window = self.window(state, rows[4], self.max_new_tokens)
+        window = self.window(state, rows[4], rows[5])
         with activate(self.mesh):
             return self._run(self._decode_key(window, rows), self._decode, (params, state, *place_batch(rows, self.mesh)), {},
                              dict(max_new_tokens=self.max_new_tokens, window=window))
