@@ -160,7 +160,7 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
 
     def one(c, windowed):
         smp = samplers[c]
-        state = jax.tree.map(jnp.copy, states[c])  # decode donates its state
+        state = jax.block_until_ready(jax.tree.map(jnp.copy, states[c]))  # decode donates its state; copied before the clock starts
         window = smp.window(state, rows[3], new) if windowed else c
         start = time.perf_counter()
         jax.block_until_ready(smp._decode(params, state, keys, *rows, max_new_tokens=new, window=window))
