@@ -6,12 +6,12 @@ returns it to the kernel on ``free``, so each such buffer of each call is page-f
 4 KiB at a time: a jitted update or decode call on the CPU spends much of its time in the kernel,
 zeroing pages it had a moment ago. Two ``mallopt`` settings keep freed blocks for reuse instead:
 no block is mmapped below ``MMAP_THRESHOLD`` and the heap is not trimmed below ``TRIM_THRESHOLD``.
-``scripts/bench_train_step.py`` and ``scripts/bench_generate.py`` measure the effect (``--malloc``
-runs the same process with glibc's defaults). The cost is memory: up to ``TRIM_THRESHOLD`` of
-freed heap stays with the process.
+``scripts/bench_host.py`` measures the effect against glibc's defaults, side by side (README,
+"Host allocator"). The cost is memory: up to ``TRIM_THRESHOLD`` of freed heap stays with the process.
 
 ``mtrl_jax`` applies this on import; ``MTRL_JAX_MALLOC=default`` leaves glibc's policy alone (for
-instance under an ``LD_PRELOAD`` allocator such as tcmalloc or jemalloc, which do the same).
+instance under an ``LD_PRELOAD`` allocator such as tcmalloc or jemalloc, which keep freed memory
+for reuse themselves).
 """
 
 from __future__ import annotations
