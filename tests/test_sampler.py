@@ -348,3 +348,17 @@ def test_decode_window_follows_the_rows_budgets(model_params):
     assert smp.window(state, np.array([False, False, True]), 48) == 384
     assert S.window_for(97, 512, fine=True) == 128 and S.window_for(97, 512) == 128 and S.window_for(129, 512) == 256
     assert S.windows(4096, 300, fine=True) == [384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+
+
+def test_the_decode_window_changes_no_sample(model_params):
+    """Attending to a wider window (more masked slots) gives the same sampled tokens and the same
+    behaviour log-probs: the windows are a cost choice, not a numerical one."""
+    model, params = model_params
+    smp = S.Sampler(model.config, slots=3, max_len=256, max_new_tokens=16)
+    base = smp.extend(params, smp.init(), [list(range(1, 41)), [3, 4, 5], list(range(7, 30))])
+    rows = (jax.random.split(jax.random.PRNGKey(5), 3), np.ones(3, np.float32), np.ones(3, np.float32),
+            np.full((3, 1), -1, np.int32), np.ones(3, bool), np.full(3, 16, np.int32))
+    outs = [smp._decode(params, jax.tree.map(jnp.copy, base), *rows, max_new_tokens=16, window=w)[1] for w in (64, 96, 256)]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out.tokens, outs[0].tokens)
+        np.testing.assert_allclose(out.logp, outs[0].logp, rtol=1e-6, atol=1e-6)

@@ -490,7 +490,7 @@ class Sampler:
             src[i], dst[i], count[i] = source, row, n
             lengths[row] = n
             self.tokens_shared += n
-        window = min(self.max_len, bucket_length(int(count.max()), 64))
+        window = window_for(int(count.max()), self.max_len)
         with activate(self.mesh):
             return self._run(self._share_key(window), self._share, (state, src, dst, count), {}, dict(window=window))
 
