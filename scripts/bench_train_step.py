@@ -19,6 +19,13 @@ tokens/s of each, the ratio, and each side's share of the float32 matmul peak me
 run (the faster of a 2048^3 ``jnp.dot`` and ``torch.mm``), with the model's FLOPs counted as
 ``6 x (matmul parameters) x tokens + 6 x layers x heads x head_dim x T^2 x B`` (causal attention, forward and backward).
 Without torch/transformers the HF side is skipped with a message and only mtrl-jax is measured.
+
+``--components`` then times where the two differ, forward and backward of each part on its own at
+the config's shapes (``[B x T]`` rows), alternated the same way: the attention core (the project's
+chunked ``causal_attention`` vs torch's ``scaled_dot_product_attention``, causal, grouped KV heads),
+one MLP (the project's ``MLP`` module vs the same products in torch, HF's ``down(silu(gate(x)) * up(x))``) and the LM head with the
+log-softmax gather (the project's ``token_logprobs``, entropy included, vs ``lm_head`` +
+``log_softmax`` + ``gather``). Each backward is taken with respect to the inputs and the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +43,8 @@ import numpy as np
 from bench_common import import_torch, model_config
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
-from mtrl_jax.model.transformer import Transformer
+from mtrl_jax.model.transformer import MLP, Transformer, causal_attention
+from mtrl_jax.rl.logprobs import token_logprobs
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
@@ -128,10 +137,90 @@ def hf_side(cfg: ModelConfig, params, batch: TrajectoryBatch, torch, transformer
     return step
 
 
+def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
+    """``[(name, ours, theirs)]``: forward + backward of each part on its own (see the module
+    docstring); ``theirs`` is None without torch. Both sides get the same inputs and weights."""
+    rng = np.random.default_rng(1)
+    D, F, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.vocab_size)
+
+    def normal(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def run_jax(fn, *args):
+        grad = jax.jit(jax.grad(fn, argnums=tuple(range(len(args)))))
+        args = [jnp.asarray(a) for a in args]
+        return lambda: jax.block_until_ready(grad(*args))
+
+    def leaf(a):
+        return torch.from_numpy(a).requires_grad_()
+
+    pairs = []
+    # attention core: q [B, T, N, H], k, v [B, T, K, H]
+    q, k, v, ct_attention = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H), normal(B, T, N, H)
+    valid = jnp.ones((B, T), bool)
+    ours = run_jax(lambda q, k, v: jnp.sum(causal_attention(q, k, v, valid, cfg.attention_chunk) * ct_attention), q, k, v)
+    theirs = None
+    if torch is not None:
+        tq, tk, tv = (leaf(np.ascontiguousarray(a.transpose(0, 2, 1, 3))) for a in (q, k, v))
+        tct_attention = torch.from_numpy(np.ascontiguousarray(ct_attention.transpose(0, 2, 1, 3)))
+
+        def theirs():
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+            (out * tct_attention).sum().backward()
+    pairs.append((f"attention core ({'chunk ' + str(cfg.attention_chunk)} vs SDPA)", ours, theirs))
+
+    # one MLP: x [B, T, D]
+    x, ct_mlp = normal(B, T, D), normal(B, T, D)
+    gate, up, down = normal(D, F, scale=0.05), normal(D, F, scale=0.05), normal(F, D, scale=0.05)
+    mlp = MLP(cfg)
+    ours = run_jax(lambda x, g, u, d: jnp.sum(mlp.apply({"params": {"gate_proj": g, "up_proj": u, "down_proj": d}}, x) * ct_mlp),
+                   x, gate, up, down)
+    theirs = None
+    if torch is not None:
+        tx, tg, tu, td = (leaf(np.ascontiguousarray(a)) for a in (x, gate, up, down))
+        tct_mlp = torch.from_numpy(ct_mlp)
+
+        def theirs():  # HF's Qwen3MLP: down(silu(gate(x)) * up(x))
+            out = torch.nn.functional.silu(tx @ tg) * (tx @ tu) @ td
+            (out * tct_mlp).sum().backward()
+    pairs.append(("MLP (one layer)", ours, theirs))
+
+    # LM head + log-softmax gather: hidden [B, T, D], head [D, V]
+    hidden, head = normal(B, T, D), normal(D, V, scale=0.05)
+    targets = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    ours = run_jax(lambda h, w: jnp.sum(token_logprobs(h, w, targets, 1.0, B * T)[0]), hidden, head)
+    theirs = None
+    if torch is not None:
+        th, tw = leaf(hidden), leaf(np.ascontiguousarray(head.T))
+        tt = torch.from_numpy(targets.astype(np.int64))
+
+        def theirs():
+            logits = torch.nn.functional.linear(th, tw)
+            torch.log_softmax(logits, dim=-1).gather(-1, tt[..., None]).sum().backward()
+    pairs.append(("LM head + log-softmax gather", ours, theirs))
+    return pairs
+
+
+def compare(ours, theirs, repeats: int) -> tuple[float, Optional[float]]:
+    """Median seconds of each (``theirs`` may be None), one warm-up call each, then alternated."""
+    ours()
+    if theirs is not None:
+        theirs()
+    ours_t, theirs_t = [], []
+    for _ in range(repeats):
+        timed(ours, ours_t)
+        if theirs is not None:
+            timed(theirs, theirs_t)
+    return statistics.median(ours_t), (statistics.median(theirs_t) if theirs_t else None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--components", action="store_true", help="then time the attention core, one MLP and the LM head "
+                   "on their own, forward and backward, against torch")
     args = p.parse_args()
     torch, transformers = import_torch("the HF side")
     jax_peak, torch_peak = matmul_peak(args.repeats, torch)
@@ -145,23 +234,19 @@ def main():
         batch = make_batch(cfg, B, T)
         params, ours = project_side(cfg, batch)
         theirs = None if torch is None else hf_side(cfg, params, batch, torch, transformers)
-        ours()
-        if theirs is not None:
-            theirs()
-        ours_t, theirs_t = [], []
-        for _ in range(args.repeats):
-            timed(ours, ours_t)
-            if theirs is not None:
-                timed(theirs, theirs_t)
+        ours_s, theirs_s = compare(ours, theirs, args.repeats)
         tokens, flops = B * T, model_flops(cfg, B, T)
-        ours_s = statistics.median(ours_t)
         line = (f"{name} (B{B} x T{T}): mtrl-jax {tokens / ours_s:,.0f} tokens/s ({ours_s * 1e3:.0f} ms, "
                 f"{flops / ours_s / peak:.0%} of peak)")
-        if theirs_t:
-            theirs_s = statistics.median(theirs_t)
+        if theirs_s is not None:
             line += (f"; HF torch {tokens / theirs_s:,.0f} tokens/s ({theirs_s * 1e3:.0f} ms, {flops / theirs_s / peak:.0%} of peak)"
                      f"; ratio {theirs_s / ours_s:.2f}x")
         print(line, flush=True)
+        if args.components:
+            for part, ours, theirs in component_pairs(cfg, B, T, torch):
+                ours_s, theirs_s = compare(ours, theirs, args.repeats)
+                print(f"  {part}, forward + backward: mtrl-jax {ours_s * 1e3:.1f} ms"
+                      + (f", torch {theirs_s * 1e3:.1f} ms, ratio {theirs_s / ours_s:.2f}x" if theirs_s else ""), flush=True)
 
 
 if __name__ == "__main__":
