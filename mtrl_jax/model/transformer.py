@@ -168,8 +168,8 @@ def dense(x: Array, w: Array, contract: int = 1) -> Array:
     """``x [..., *w.shape[:contract]] @ w`` -> ``[..., *w.shape[contract:]]``, as one 2-D product: the
     leading dims of ``x`` are flattened into rows and ``w`` into a matrix. XLA's CPU backend runs a
     ``[B, T, D] x [D, F]`` contraction, and above all its backward pass, much slower than the same
-    ``[B * T, D] x [D, F]`` matmul (its weight gradients transpose a whole activation): 1.6x on the
-    tiny policy's MLP, forward and backward (``scripts/bench_train_step.py --components``)."""
+    ``[B * T, D] x [D, F]`` matmul (its weight gradients transposed a whole activation first); see the
+    MLP line of ``scripts/bench_train_step.py --components``."""
     inner, outer = w.shape[:contract], w.shape[contract:]
     lead = x.shape[:x.ndim - contract]
     rows = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(outer))

@@ -22,7 +22,12 @@ def _logp_entropy(hidden, head, targets, temperature):
     logits = jnp.einsum("nd,dv->nv", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
     logits = logits / temperature[:, None]
     lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    # the target's logit picked by a comparison with the vocabulary's iota, not a gather: the gather's
+    # gradient is a scatter into a zeroed [N, V] array, which XLA's CPU backend writes in a pass of
+    # its own; the comparison fuses into the softmax's passes (``bench_train_step.py --components``,
+    # the LM head line)
+    hit = jnp.arange(logits.shape[-1], dtype=targets.dtype)[None, :] == targets[:, None]
+    logp = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1) - lse
     probs = jnp.exp(logits - lse[:, None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
     return logp, entropy
