@@ -7,7 +7,8 @@ and the call's query is one identifier drawn among those shown. Two measures, pe
 
 * teacher-forced: how often the policy's most likely next token is the identifier's next token,
   over the identifier's tokens after its first (which names the choice among the shown ones, not
-  the copy), and how often all of them are;
+  the copy), and how often all of them are; and that accuracy by position (the identifier's second
+  token, its third, ...), which shows where a copy goes wrong;
 * greedy: the policy's own turn after the first search's results (up to
   ``rollout.max_tokens_per_turn`` tokens): a tool call, a call whose query is one of the identifiers
   shown, or an answer.
@@ -100,7 +101,8 @@ def forced_hop_teacher(settings, rng: np.random.Generator) -> Callable[[], Calla
 
 def probe_hop_copy(cases: Sequence[HopCase], policy, chat: ChatFormat, max_len: int, max_new_tokens: int) -> dict:
     """``{task type: measures}`` (see the module docstring) of ``policy`` on ``cases``,
-    and ``"all"`` over every case: ``cases``, ``id_token_accuracy``, ``id_exact``,
+    and ``"all"`` over every case: ``cases``, ``id_token_accuracy``, ``id_token_accuracy_by_position``
+    (a list: the k-th token after the identifier's first, over the cases whose identifier has it), ``id_exact``,
     ``greedy_call``, ``greedy_shown`` and ``greedy_answer`` (shares of the cases)."""
     if not cases:
         raise ValueError("no hop cases: the held-out tasks' first searches showed no identifier")
@@ -132,7 +134,10 @@ def probe_hop_copy(cases: Sequence[HopCase], policy, chat: ChatFormat, max_len: 
 
     def measures(selected):
         tokens = np.concatenate([r["id_token"] for r in selected])
+        width = max(len(r["id_token"]) for r in selected)
+        by_position = [float(np.mean([r["id_token"][k] for r in selected if len(r["id_token"]) > k])) for k in range(width)]
         return {"cases": len(selected), "id_token_accuracy": float(tokens.mean()) if tokens.size else 0.0,
+                "id_token_accuracy_by_position": by_position,
                 "id_exact": float(np.mean([r["id_token"].all() for r in selected])),
                 "greedy_call": float(np.mean([r["call"] for r in selected])),
                 "greedy_shown": float(np.mean([r["shown"] for r in selected])),

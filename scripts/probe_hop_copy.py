@@ -7,7 +7,7 @@ and the scripted teacher come from them). It probes the run's warmed-up policy (
 RL started from) and its latest checkpoint, on hop cases of the held-out tasks: the scripted
 teacher's episode with its hop forced, cut after the second search's call (``mtrl_jax/probes.py``).
 Per task type it prints the teacher-forced accuracy on the identifier's tokens after its first and
-the share copied whole, and what the policy itself writes after the first search's results (greedy):
+the share copied whole (and, over all cases, that accuracy by token position), and what the policy itself writes after the first search's results (greedy):
 a call, a call on an identifier shown, an answer. ``--out FILE`` writes the figures as JSON.
 ``--split=train`` probes as many training questions (a seeded sample) instead: a policy that copies
 better there than on held-out questions memorises rather than copies.
@@ -77,6 +77,9 @@ def main(argv):
         print(f"\n{name} policy\n| task type | " + " | ".join(COLUMNS) + " |\n" + "|---" * (len(COLUMNS) + 1) + "|")
         for kind, m in results[name].items():
             print(f"| {kind} | {m['cases']} | " + " | ".join(f"{m[c]:.3f}" for c in COLUMNS[1:]) + " |")
+        by_position = results[name]["all"]["id_token_accuracy_by_position"]
+        print("identifier token accuracy by position (2nd, 3rd, ... token), all cases: "
+              + " ".join(f"{a:.3f}" for a in by_position))
     if _OUT.value:
         pathlib.Path(_OUT.value).write_text(json.dumps(results, indent=2))
 

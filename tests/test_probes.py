@@ -84,6 +84,8 @@ def test_a_copying_policy_scores_one_and_an_answering_policy_zero(setting):
     teacher = Scripted(cases, chat.vocab_size, lambda i, k: cases[i].tokens[cases[i].start + k] if cases[i].start + k < len(cases[i].tokens)
                        else chat.im_end_id)
     result = probe_hop_copy(cases, teacher, chat, MAX_LEN, 48)
+    by_position = result["all"].pop("id_token_accuracy_by_position")
+    assert by_position == [1.0] * max(c.span[1] - c.span[0] for c in cases)
     assert result["all"] == {"cases": len(cases), "id_token_accuracy": 1.0, "id_exact": 1.0, "greedy_call": 1.0,
                              "greedy_shown": 1.0, "greedy_answer": 0.0}
     assert sum(result[t]["cases"] for t in result if t != "all") == len(cases)
@@ -109,6 +111,10 @@ def test_a_miscopying_policy_calls_but_not_on_a_shown_identifier(setting):
     assert result["greedy_call"] == 1.0 and result["greedy_answer"] == 0.0
     assert result["greedy_shown"] < 0.2  # a changed identifier is rarely another one shown
     assert 0.5 < result["id_token_accuracy"] < 1.0 and result["id_exact"] < 0.2
+    # the changed digit is each identifier's last token: the positions before it are all copied
+    by_position = result["id_token_accuracy_by_position"]
+    shortest = min(c.span[1] - c.span[0] for c in cases)
+    assert by_position[:shortest - 1] == [1.0] * (shortest - 1) and by_position[-1] < 0.2
 
 
 def test_the_probe_refuses_no_cases_and_cases_longer_than_the_context(setting):
