@@ -26,12 +26,21 @@ chunked ``causal_attention`` vs torch's ``scaled_dot_product_attention``, causal
 one MLP (the project's ``MLP`` module vs the same products in torch, HF's ``down(silu(gate(x)) * up(x))``) and the LM head with the
 log-softmax gather (the project's ``token_logprobs``, entropy included, vs ``lm_head`` +
 ``log_softmax`` + ``gather``). Each backward is taken with respect to the inputs and the weights.
+
+``--baseline REV`` instead times the project's update against itself at another commit: the same
+harness, run in child processes with ``mtrl_jax`` imported from a git worktree of ``REV`` or from
+this tree, alternated ``--rounds`` times (each child a warm-up call and ``--repeats`` timed ones);
+it prints the median of the children's medians and the speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -49,6 +58,7 @@ from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 BATCH = {"tiny": (32, 384), "30m": (8, 512)}
 CLIP_LOW, CLIP_HIGH, CLIP_DUAL, LR = 0.2, 0.28, 3.0, 1e-5
 
@@ -215,13 +225,60 @@ def compare(ours, theirs, repeats: int) -> tuple[float, Optional[float]]:
     return statistics.median(ours_t), (statistics.median(theirs_t) if theirs_t else None)
 
 
+def cpu_config(name: str) -> ModelConfig:
+    """The README's CPU settings: float32, no remat, layers unrolled, chunked causal attention."""
+    return model_config(name, scan_unroll=0, attention_chunk=128)
+
+
+def child(name: str, repeats: int) -> None:
+    """``--child``: the project's update alone (whichever ``mtrl_jax`` is on the path), its median seconds."""
+    B, T = BATCH[name]
+    cfg = cpu_config(name)
+    _, ours = project_side(cfg, make_batch(cfg, B, T))
+    seconds, _ = compare(ours, None, repeats)
+    print(f"median_seconds {seconds}")
+
+
+def against_baseline(args) -> None:
+    tree = pathlib.Path(tempfile.mkdtemp(prefix="bench_train_step_baseline_")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), args.baseline], cwd=REPO, check=True,
+                   capture_output=True)
+    try:
+        for name in args.configs.split(","):
+            times = {"this tree": [], args.baseline: []}
+            for _ in range(args.rounds):
+                for side, root in (("this tree", REPO), (args.baseline, tree)):
+                    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'scripts'}"}
+                    done = subprocess.run([sys.executable, __file__, "--child", name, "--repeats", str(args.repeats)],
+                                          cwd=root, env=env, capture_output=True, text=True)
+                    lines = [line for line in done.stdout.splitlines() if line.startswith("median_seconds")]
+                    if done.returncode or not lines:
+                        raise RuntimeError(f"the {side} child failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+                    times[side].append(float(lines[-1].split()[1]))
+            ours, theirs = statistics.median(times["this tree"]), statistics.median(times[args.baseline])
+            B, T = BATCH[name]
+            print(f"{name} (B{B} x T{T}), medians of {args.rounds} alternated children: this tree {ours * 1e3:.0f} ms "
+                  f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {theirs / ours:.2f}x faster "
+                  f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
+                  f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--components", action="store_true", help="then time the attention core, one MLP and the LM head "
                    "on their own, forward and backward, against torch")
+    p.add_argument("--baseline", default="", help="a git revision: time the project's update here and there instead")
+    p.add_argument("--rounds", type=int, default=4, help="alternated child processes per side (--baseline)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child(args.child, args.repeats)
+    if args.baseline:
+        return against_baseline(args)
     torch, transformers = import_torch("the HF side")
     jax_peak, torch_peak = matmul_peak(args.repeats, torch)
     peak = max(jax_peak, torch_peak)
@@ -229,8 +286,7 @@ def main():
           + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "") + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
     for name in args.configs.split(","):
         B, T = BATCH[name]
-        # the README's CPU settings: float32, no remat, layers unrolled, chunked causal attention
-        cfg = model_config(name, scan_unroll=0, attention_chunk=128)
+        cfg = cpu_config(name)
         batch = make_batch(cfg, B, T)
         params, ours = project_side(cfg, batch)
         theirs = None if torch is None else hf_side(cfg, params, batch, torch, transformers)
