@@ -1,9 +1,16 @@
-"""What the benchmarks that compare against HF transformers share: the two model shapes the
-throughput issue measures, and the optional import of torch + transformers."""
+"""What the benchmarks share: the two model shapes the throughput issue measures, the optional
+import of torch + transformers, and a git worktree of another commit to measure side by side."""
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
+import subprocess
+import tempfile
+
 from mtrl_jax.model import ModelConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # the embedded default's policy, and a 30M Qwen3 (4 layers, hidden 512, vocabulary 32k)
 SHAPES = {
@@ -30,3 +37,16 @@ def import_torch(what: str):
               f"(pip install -r scripts/requirements-fixtures.txt to measure it)")
         return None, None
     return torch, transformers
+
+
+@contextlib.contextmanager
+def worktree(revision: str):
+    """A detached git worktree of ``revision`` in a temporary folder, removed (folder and git's record) on exit."""
+    with tempfile.TemporaryDirectory(prefix="bench_baseline_") as folder:
+        tree = pathlib.Path(folder) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), revision], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)

@@ -28,7 +28,8 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from bench_common import REPO, worktree
+
 COLUMNS = [("step_s", "time/step_s"), ("collect_wait", "time/collect_wait_s"), ("collect", "time/collect_s"),
            ("decode", "time/decode_s"), ("extend", "time/extend_s"), ("tool_wait", "time/tool_wait_s"),
            ("update", "time/update_s"), ("logging", "time/logging_s"), ("prev_ckpt", "time/previous_checkpoint_s"),
@@ -76,13 +77,8 @@ def main():
     current = table(steps, args.steady_from)
     if not args.baseline:
         return
-    tree = out / "baseline_tree"
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), args.baseline], cwd=REPO, check=True,
-                   capture_output=True)
-    try:
+    with worktree(args.baseline) as tree:
         steps, seconds = run(tree, out / "baseline", args)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     print(f"\nbaseline {args.baseline}: {seconds:.0f} s end to end")
     baseline = table(steps, args.steady_from)
     print(f"\nsteady-state step: {current:.3f} s vs {baseline:.3f} s at {args.baseline}: {baseline / current:.2f}x faster")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import import_torch, model_config
+from bench_common import REPO, import_torch, model_config, worktree
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import MLP, Transformer, causal_attention
@@ -58,7 +57,6 @@ from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 BATCH = {"tiny": (32, 384), "30m": (8, 512)}
 CLIP_LOW, CLIP_HIGH, CLIP_DUAL, LR = 0.2, 0.28, 3.0, 1e-5
 
@@ -178,7 +176,7 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
         def theirs():
             out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
             (out * tct_attention).sum().backward()
-    pairs.append((f"attention core ({'chunk ' + str(cfg.attention_chunk)} vs SDPA)", ours, theirs))
+    pairs.append((f"attention core (chunk {cfg.attention_chunk} vs SDPA)", ours, theirs))
 
     # one MLP: x [B, T, D]
     x, ct_mlp = normal(B, T, D), normal(B, T, D)
@@ -240,10 +238,7 @@ def child(name: str, repeats: int) -> None:
 
 
 def against_baseline(args) -> None:
-    tree = pathlib.Path(tempfile.mkdtemp(prefix="bench_train_step_baseline_")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), args.baseline], cwd=REPO, check=True,
-                   capture_output=True)
-    try:
+    with worktree(args.baseline) as tree:
         for name in args.configs.split(","):
             times = {"this tree": [], args.baseline: []}
             for _ in range(args.rounds):
@@ -261,8 +256,6 @@ def against_baseline(args) -> None:
                   f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {theirs / ours:.2f}x faster "
                   f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
                   f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)", flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
 
 
 def main():
