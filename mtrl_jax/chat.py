@@ -271,11 +271,16 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
 
     Digits are split one per token, as Qwen's tokenizers do: numbers the model has never seen
     (part identifiers, document ids) are then copied digit by digit instead of as rare merged
-    tokens whose embeddings barely trained."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tokens whose embeddings barely trained. Runs of capital letters (the letters of an identifier
+    such as ``KX-4821``, acronyms) are split one letter per token for the same reason, and so that an
+    identifier has the same tokens wherever it appears: after a space, a quote or a line break (a
+    merged ``" KX"`` in a search result against ``"K"``, ``"X"`` in a tool call's query is a copy the
+    tiny policy does not learn)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+    capitals = pre_tokenizers.Split(Regex(r"\p{Lu}(?=\p{Lu})|(?<=\p{Lu})\p{Lu}"), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), capitals,
                                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, IM_START, IM_END, *PROTOCOL_TOKENS],

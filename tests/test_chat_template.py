@@ -101,3 +101,20 @@ def test_a_template_that_does_not_end_turns_with_im_end_is_refused(tokenizer):
 ])
 def test_tool_calls_in_the_forms_models_emit(text, calls):
     assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == calls
+
+
+def test_the_trained_tokenizer_gives_an_identifier_the_same_tokens_wherever_it_appears():
+    # a corpus where the identifier follows a space often enough for BPE to merge " KX" if it could
+    texts = ['Part "KX-4821" is a pump. KX-4821 pump, see KX-4821 and NASA', "Project Falcon-12 uses KX-4821"] * 50
+    tok = train_tokenizer(texts, 400)
+
+    def pieces(text):
+        return [tok.decode([t]) for t in tok.encode(text).ids]
+
+    ident = ["K", "X", "-", "4", "8", "2", "1"]
+    for before in [" ", '"', "\n", "'", ": "]:
+        got = pieces(f"see{before}KX-4821 now")
+        start = next(i for i, p in enumerate(got) if "K" in p)
+        assert got[start:start + len(ident)] == ident, (before, got)
+    assert pieces("NASA") == ["N", "A", "S", "A"]
+    assert pieces("Part pump") == ["Part", " pump"]  # words keep their merges

@@ -147,6 +147,22 @@ def test_every_task_carries_a_type(tmp_path, synthetic):
             col.load_tasks(path)
 
 
+def test_synthetic_documents_quote_every_identifier_they_show(synthetic):
+    # quoted as in a tool call's JSON query, so that a copy out of search results is token for token
+    import re
+    shown = 0
+    for doc in synthetic.documents:
+        for text in (doc.title, doc.text):
+            for match in re.finditer(r"[A-Z]{2}-\d{4}", text):
+                assert text[match.start() - 1] == '"' and text[match.end()] == '"', (doc.doc_id, text)
+                shown += 1
+    assert shown >= 2 * 300 + 100  # each part's title and text, each project's text
+    multihop = next(t for t in synthetic.tasks if t.type == "synthetic/multihop")
+    project = next(d for d in synthetic.documents if multihop.qrels.get(d.doc_id) == 1)
+    part = next(d for d in synthetic.documents if multihop.qrels.get(d.doc_id) == 2)
+    assert re.search(r'"([A-Z]{2}-\d{4})"', project.text).group(1) in part.title
+
+
 def test_validation_split_is_deterministic_and_stable(synthetic):
     train, val = col.split(synthetic.tasks)
     assert len(val) == round(0.05 * len(synthetic.tasks)) and not {t.task_id for t in train} & {t.task_id for t in val}

@@ -12,8 +12,12 @@ encoder, 32 dimensions) learns which words mean the same thing. Three query type
   that happen to use the same synonyms.
   Grade 2 for parts matching all three attributes, 1 for two of them (same domain and component).
 * ``multihop``: ``"component of project Falcon-12"``. The project document (grade 1) names the
-  part's identifier, quoted, at the start of its text (so a result snippet shows it, tokenised as
-  a tool call's query string would be); a second, identifier search finds the part (grade 2).
+  part's identifier at the start of its text (so a result snippet shows it); a second, identifier
+  search finds the part (grade 2).
+
+Identifiers are quoted wherever a document shows them (``Part "KX-4821" is ...``, ``Key component:
+part "KX-4821".``), so that they are tokenised as in a tool call's JSON query string: a copy out of
+search results is then token for token (``chat.train_tokenizer`` also splits capital letters).
 """
 
 from __future__ import annotations
@@ -76,10 +80,10 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
         syn = lambda words: words[0] if rng.random() >= synonym_rate else words[1 + rng.integers(len(words) - 1)]  # noqa: E731
         comp, prop, domain = syn(COMPONENTS[c]), syn(PROPERTIES[p]), syn(names)
         ctx = rng.choice(context, size=3, replace=False)
-        text = (f"{ident} is a {prop} {comp} for {domain} equipment. It is fitted near the {ctx[0]} and the {ctx[1]}, "
+        text = (f"Part \"{ident}\" is a {prop} {comp} for {domain} equipment. It is fitted near the {ctx[0]} and the {ctx[1]}, "
                 f"and is tested for {ctx[2]} conditions at the {LABS[rng.integers(len(LABS))]} lab.")
         doc_id = f"d{len(docs):04d}"
-        docs.append(Document(doc_id, f"{ident} {comp}", text))
+        docs.append(Document(doc_id, f"\"{ident}\" {comp}", text))
         parts.append((doc_id, ident, int(d), int(c), int(p)))
     projects = []  # (doc_id, project name, part index)
     project_names: set = set()
@@ -91,8 +95,7 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
                 break
         part = int(rng.integers(num_parts))
         _, ident, d, _, _ = parts[part]
-        # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead), and
-        # in quotes, so that it is tokenised as in a tool call's JSON string (a copy is then token for token)
+        # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead)
         text = (f"Key component: part \"{ident}\". Project {pname} is a {DOMAINS[d][0][0]} programme, "
                 f"delivered by the {LABS[rng.integers(len(LABS))]} team.")
         doc_id = f"d{len(docs):04d}"
