@@ -128,7 +128,9 @@ def get_config():
     c.optim.weight_decay = 0.0
 
     c.warmup = config_dict.ConfigDict()
-    c.warmup.steps = 1200  # 0: no supervised warm-up (real checkpoints)
+    # 0: no supervised warm-up (real checkpoints). 2,400: the tiny policy copies an identifier out of
+    # search results whole about 57% of the time (scripts/probe_hop_copy.py), enough for RL to learn the hop
+    c.warmup.steps = 2400
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
     # compute the tokens every demonstration opens with (system prompt) once per step, not in every row:
@@ -136,18 +138,16 @@ def get_config():
     c.warmup.share_prefix = True
     c.warmup.augment = 3  # extra demonstrations per question, rewritten (identifiers randomised, words swapped)
     # TOOL:WEIGHT,... the scripted teacher's tool choice, whatever the question ("": uniform)
-    c.warmup.teacher_tools = "vector_search:3,bm25_search:1"
+    c.warmup.teacher_tools = ""
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
     c.warmup.teacher_top_k = "1:3,2:1,3:1,5:1"
     # probability of a second search on an identifier copied from the first's results (one drawn at
-    # random among those shown), whatever the question. 0 by default: after 1,200 warm-up steps the tiny
-    # policy copies 4% of identifiers out of search results whole (scripts/probe_hop_copy.py, README), so
-    # RL does not learn the hop from it
-    c.warmup.teacher_hop = 0.0
+    # random among those shown), whatever the question: RL learns which questions the hop pays on
+    c.warmup.teacher_hop = 0.5
     c.warmup.teacher_hop_tools = "bm25_search:1"  # TOOL:WEIGHT,... the second search's tool ("": uniform)
     # extra demonstrations per question whose teacher always hops, with no loss on the token that decides
     # to hop (the second turn's first): more of the copy to learn, the same learnt probability of hopping
-    c.warmup.hop_drills = 0
+    c.warmup.hop_drills = 2
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -1,5 +1,6 @@
 """The embedded default's warm-up: scripted teacher, identifier augmentation, demonstrations."""
 
+import dataclasses
 import json
 import re
 
@@ -294,3 +295,31 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
         hop = chat.decode(tokens[second:_turn_end(mask, 2)])
         assert all(mask[second + 1:_turn_end(mask, 2)]) and re.search(r'"query": "(KX-48\d\d|P-\d+)"', hop)  # ... its copy does
         assert chat.decode([t for t, m in zip(tokens, mask) if m]).count("<answer></answer>") == 1
+
+
+
+def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path):
+    """The default's teacher hops on half of its demonstrations, plus 2 forced hops per question (where
+    an identifier is shown), each on an identifier copied from the first results; with teacher_hop=0
+    and hop_drills=0 every demonstration is one search and an answer."""
+    from configs import default
+    from mtrl_jax.setup import build
+    from mtrl_jax.warmup import _assistant_turns, demonstrations
+
+    shares = {}
+    for name, hop, drills in (("default", None, None), ("single", 0.0, 0)):
+        config = default.get_config()
+        if hop is not None:
+            config.unlock()
+            config.warmup.teacher_hop, config.warmup.hop_drills = hop, drills
+        components = build(config, tmp_path / name)
+        components = dataclasses.replace(components, train_tasks=components.train_tasks[:60])
+        demos = demonstrations(components)
+        shares[name] = np.mean([_assistant_turns(mask) == 3 for _, mask in demos])
+        for tokens, mask in demos:
+            if _assistant_turns(mask) == 3:  # the hop's query is an identifier the first results showed
+                text = components.chat.decode(tokens)
+                first, second = list(re.finditer(r'"query": "([^"]*)"', text))[:2]
+                assert second.group(1) in text[first.end():second.start()], second.group(1)
+    assert shares["single"] == 0.0
+    assert 0.45 < shares["default"] < 0.85, shares  # (4 x 0.5 + 2) / 6 where an identifier is shown
