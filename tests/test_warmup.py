@@ -298,6 +298,7 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
 
 
 
+@pytest.mark.slow  # two synthetic builds and their demonstrations, about 25 s
 def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path):
     """The default's teacher hops on half of its demonstrations, plus 2 forced hops per question (where
     an identifier is shown), each on an identifier copied from the first results; with teacher_hop=0
