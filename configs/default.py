@@ -137,7 +137,7 @@ def get_config():
     # the same losses and gradients, about 1.5x faster steps (scripts/bench_warmup.py)
     c.warmup.share_prefix = True
     c.warmup.augment = 3  # extra demonstrations per question, rewritten (identifiers randomised, words swapped)
-    # TOOL:WEIGHT,... the scripted teacher's tool choice, whatever the question ("": uniform)
+    # TOOL:WEIGHT,... the scripted teacher's first tool, whatever the question ("": uniform)
     c.warmup.teacher_tools = ""
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
     c.warmup.teacher_top_k = "1:3,2:1,3:1,5:1"

@@ -297,7 +297,6 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
         assert chat.decode([t for t, m in zip(tokens, mask) if m]).count("<answer></answer>") == 1
 
 
-
 @pytest.mark.slow  # two synthetic builds and their demonstrations, about 25 s
 def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path):
     """The default's teacher hops on half of its demonstrations, and each demonstrated question (and
