@@ -16,8 +16,8 @@ def get_config():
     c.max_epochs = 1
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
-    # 0: max_epochs * (train tasks // global_batch_size). 48 rather than 32: RL also learns the first tool
-    # and the result count per question type (+0.156 over the warm-up against +0.128, README)
+    # 0: max_epochs * (train tasks // global_batch_size). 48 rather than 32: RL also moves describe questions
+    # to vector search (+0.156 over the warm-up against +0.129 in RL-only runs from the same warm-ups, README)
     c.max_steps = 48
     # JAX's persistent compilation cache: a later run (a rerun, another arm of an ablation, a resumed
     # run) loads the programs an earlier one compiled instead of compiling them again, which is minutes
