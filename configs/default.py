@@ -98,12 +98,13 @@ def get_config():
     c.rl.loss = "ppo"  # ppo | cispo | is | gspo | any registered loss
     c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo | grpo_passk | reinforce_pp_baseline | registered
     # NAME=VALUE,... passed by name to the loss / the estimator (e.g. "clip_high=0.3", "scale=batch", "k=4");
-    # an option the selected function does not take is an error listing the ones it takes
+    # an option the selected function does not take is an error listing the ones it takes; ENTRY:NAME=VALUE
+    # applies only while ENTRY is the one selected (so --config.rl.advantage=rloo needs no other change)
     c.rl.loss_options = ""
-    # scale=batch: GRPO's group mean with the batch's reward std (Liu et al. 2025, "Lite PPO") rather than each
+    # grpo:scale=batch: GRPO's group mean with the batch's reward std (Liu et al. 2025, "Lite PPO") rather than each
     # group's: a lookup group's 0.03 gain from a hop stays small beside a multihop group's 0.5, where the
     # group std scales both to 1 and RL spreads the hop to lookups (README, "How RL scales advantages")
-    c.rl.advantage_options = "scale=batch"
+    c.rl.advantage_options = "grpo:scale=batch"
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0

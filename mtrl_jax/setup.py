@@ -26,6 +26,8 @@ from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
 from mtrl_jax.model.sharding import make_mesh
 from mtrl_jax.rl.batch import bucket
 from mtrl_jax.rl.objective import ObjectiveConfig
+from mtrl_jax.rl.advantages import ESTIMATORS
+from mtrl_jax.rl.losses import LOSSES
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
@@ -242,15 +244,16 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
 
 def update_config(config) -> UpdateConfig:
     """``rl.*`` as an ``UpdateConfig``; loss and estimator options pass through by name and are
-    checked against the registered function (an option it does not take is an error)."""
+    checked against the registered function (an option it does not take is an error); an option
+    scoped to another entry (``grpo:scale=batch`` with ``rl.advantage=rloo``) does not apply."""
     rl = config.rl
     norm_len = config.rollout.max_len if rl.aggregation == "seq-mean-token-sum-norm" else None
     return UpdateConfig(
-        objective=ObjectiveConfig(loss=rl.loss, loss_options=tuple(sorted(parse_options(rl.loss_options, "rl.loss_options").items())),
+        objective=ObjectiveConfig(loss=rl.loss, loss_options=tuple(sorted(parse_options(rl.loss_options, "rl.loss_options", LOSSES, rl.loss).items())),
                                   aggregation=rl.aggregation, norm_len=norm_len, tis_cap=rl.tis_cap, kl_coef=rl.kl_coef,
                                   kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef),
         advantage=rl.advantage,
-        advantage_options=tuple(sorted(parse_options(rl.advantage_options, "rl.advantage_options").items())),
+        advantage_options=tuple(sorted(parse_options(rl.advantage_options, "rl.advantage_options", ESTIMATORS, rl.advantage).items())),
         # the sampler's convention: temperature <= 0 is greedy, and its behaviour log-probs are at temperature 1
         temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0, old_logp=rl.old_logp, update_epochs=rl.update_epochs,
         mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,

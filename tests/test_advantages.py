@@ -121,6 +121,32 @@ def test_registry_options_are_checked_by_name():
         advantages.compute("rloo", jnp.zeros(4), 2, scale="batch")
 
 
+def test_scoped_options_apply_only_to_their_entry():
+    from mtrl_jax.rl.registry import parse_options
+
+    text = "grpo:scale=batch, grpo_passk:k=4"
+    assert parse_options(text, "f", advantages.ESTIMATORS, "grpo") == {"scale": "batch"}
+    assert parse_options(text, "f", advantages.ESTIMATORS, "grpo_passk") == {"k": 4}
+    assert parse_options(text, "f", advantages.ESTIMATORS, "rloo") == {}  # rloo takes none: no error
+    assert parse_options("k=3,grpo_passk:scale=x", "f", advantages.ESTIMATORS, "rloo") == {"k": 3}
+    with pytest.raises(ValueError, match=r"f: 'gpro:scale=batch' is scoped to 'gpro', which is not a registered advantage estimator"):
+        parse_options("gpro:scale=batch", "f", advantages.ESTIMATORS, "grpo")
+    with pytest.raises(ValueError, match=r"f: option 'k' given twice"):
+        parse_options("k=2,grpo_passk:k=4", "f", advantages.ESTIMATORS, "grpo_passk")
+    with pytest.raises(ValueError, match=r"must be NAME=VALUE or ENTRY:NAME=VALUE"):
+        parse_options(":k=2", "f", advantages.ESTIMATORS, "grpo_passk")
+    with pytest.raises(ValueError, match=r"need a selected entry"):
+        parse_options("grpo:scale=batch", "f")
+    # the default config's scoped option: GRPO gets the batch std, another estimator nothing
+    from configs import default
+    from mtrl_jax.setup import update_config
+
+    config = default.get_config()
+    assert dict(update_config(config).advantage_options) == {"scale": "batch"}
+    config.rl.advantage = "rloo"
+    assert dict(update_config(config).advantage_options) == {}
+
+
 def test_every_estimator_receives_the_loss_mask():
     seen = []
     with advantages.ESTIMATORS.restoring():

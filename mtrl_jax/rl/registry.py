@@ -3,8 +3,9 @@ estimators and aggregation modes.
 
 A registered function takes a fixed number of positional arrays (the registry's ``arguments``)
 followed by its *options*: keyword parameters with defaults, passed through by name from the
-configuration (``rl.loss_options``, ``rl.advantage_options``). An option the function does not
-take is an error that lists the ones it does take, so a typo never silently falls back to a default.
+configuration (``rl.loss_options``, ``rl.advantage_options``; ``ENTRY:NAME=VALUE`` only when
+``ENTRY`` is the one selected). An option the function does not take is an error that lists the
+ones it does take, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ class Registry:
             self._entries.update(saved)
 
 
-def parse_options(text: str, field: str) -> dict[str, Any]:
+def parse_options(text: str, field: str, registry: "Registry | None" = None, selected: str | None = None) -> dict[str, Any]:
     """``"clip_high=0.28,clip_dual=None"`` -> ``{"clip_high": 0.28, "clip_dual": None}``.
 
     Values are Python literals (numbers, ``None``, ``True``, quoted strings); anything else is
-    kept as a string (``scale=batch``). Errors name ``field``."""
+    kept as a string (``scale=batch``). Errors name ``field``.
+
+    ``ENTRY:NAME=VALUE`` scopes an option to one registered entry: it applies only when ``selected``
+    is ``ENTRY`` (``"grpo:scale=batch"`` gives GRPO the batch std, and selecting ``rloo`` instead
+    is not an error). The scope must be an entry of ``registry``, so a misspelt one is an error."""
     import ast
 
     options: dict[str, Any] = {}
@@ -96,12 +101,22 @@ def parse_options(text: str, field: str) -> dict[str, Any]:
             continue
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or not key.isidentifier():
-            raise ValueError(f"{field}: {item!r} must be NAME=VALUE")
-        if key in options:
-            raise ValueError(f"{field}: option {key!r} given twice")
+        scope, colon, name = key.rpartition(":")
+        scope, name = scope.strip(), name.strip()
+        if not sep or not name.isidentifier() or (colon and not scope):
+            raise ValueError(f"{field}: {item!r} must be NAME=VALUE or ENTRY:NAME=VALUE")
+        if colon:
+            if registry is None or selected is None:
+                raise ValueError(f"{field}: {item!r}: scoped options (ENTRY:NAME=VALUE) need a selected entry")
+            if scope not in registry:
+                raise ValueError(f"{field}: {item!r} is scoped to {scope!r}, which is not a registered {registry.kind}; "
+                                 f"registered: {registry.names()}")
+            if scope != selected:
+                continue
+        if name in options:
+            raise ValueError(f"{field}: option {name!r} given twice")
         try:
-            options[key] = ast.literal_eval(value)
+            options[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            options[key] = value
+            options[name] = value
     return options
