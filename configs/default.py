@@ -142,6 +142,11 @@ def get_config():
     # compute the tokens every demonstration opens with (system prompt) once per step, not in every row:
     # the same losses and gradients, about 1.5x faster steps (scripts/bench_warmup.py)
     c.warmup.share_prefix = True
+    # the steps' views of the demonstrations: one in full_every trains on whole ones, one in two_turn_every
+    # (0: none) on them cut after their second turn (the hop's copy; most of the warm-up's time, since
+    # they hold the first search's results), the rest on them cut after their first turn (the question's copy)
+    c.warmup.full_every = 8
+    c.warmup.two_turn_every = 2
     c.warmup.augment = 3  # extra demonstrations per question, rewritten (identifiers randomised, words swapped)
     # TOOL:WEIGHT,... the scripted teacher's first tool, whatever the question ("": uniform)
     c.warmup.teacher_tools = ""

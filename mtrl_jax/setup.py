@@ -80,6 +80,8 @@ class WarmupSettings:
     hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
     hop_drills: int = 0  # extra forced-hop demonstrations per question, the decision to hop untrained (warmup.hop_drills)
     share_prefix: bool = True  # the prompt every demonstration opens with computed once per step (warmup.share_prefix)
+    full_every: int = 8  # one step in this many trains on whole demonstrations (warmup.full_every)
+    two_turn_every: int = 2  # one step in this many on the demonstrations cut after their second turn (warmup.two_turn_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,11 +321,16 @@ def _warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.teacher_hop must be a probability in [0, 1], got {w.teacher_hop}")
     if w.hop_drills < 0:
         raise ValueError(f"warmup.hop_drills must be >= 0, got {w.hop_drills}")
+    if w.full_every < 1:
+        raise ValueError(f"warmup.full_every must be >= 1, got {w.full_every}")
+    if w.two_turn_every < 0:
+        raise ValueError(f"warmup.two_turn_every must be >= 0 (0: never), got {w.two_turn_every}")
     return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
                           tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
                           top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop,
                           hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
-                          hop_drills=int(w.hop_drills), share_prefix=bool(w.share_prefix))
+                          hop_drills=int(w.hop_drills), share_prefix=bool(w.share_prefix),
+                          full_every=int(w.full_every), two_turn_every=int(w.two_turn_every))
 
 
 def use_compilation_cache(config) -> Optional[str]:

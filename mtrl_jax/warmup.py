@@ -313,6 +313,7 @@ def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
                       batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
+                      two_turn_every: int = 2,
                       should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512,
                       share_prefix: bool = True) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
@@ -323,8 +324,9 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     there is to learn, and it comes early in the sequence: so every step but one in ``full_every``
     trains on the demonstrations cut after their first turn, which is several times cheaper. When
     some demonstrations have more than two turns (a second search, whose query is copied from the
-    first search's results), every other of those steps trains on all of them cut after their second
-    turn instead, so the hop's copy and the choice between hopping and answering are learnt as often.
+    first search's results), one of those steps in ``two_turn_every`` (0: none) trains on all of them
+    cut after their second turn instead, so the hop's copy and the choice between hopping and
+    answering are learnt too.
     Whole demonstrations are grouped by length (multiples of ``full_bucket`` tokens): a full step
     draws a demonstration and fills its batch from the same group, so a few long tool responses
     (a large ``top_k``) do not pad every batch to their length. ``logprob_chunk``: as ``rl.logprob_chunk``.
@@ -354,7 +356,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     prefixes = after_prefix(_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))
     # with demonstrations of more than two turns (the teacher's hops), every other step trains on them
     # cut after their second turn: the hop's call (copied from the first results) or the answer there
-    two_turns = grouped(lambda m: _turn_end(m, 2)) if any(_assistant_turns(m) > 2 for _, m in demos) else None
+    two_turns = (grouped(lambda m: _turn_end(m, 2)) if two_turn_every and any(_assistant_turns(m) > 2 for _, m in demos)
+                 else None)
 
     step = warmup_step(model_cfg, tx, shared, logprob_chunk)
     rng = np.random.default_rng(seed)
@@ -366,7 +369,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     for i in range(start, steps):
         if should_stop is not None and should_stop():
             return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
-        view = full if (i + 1) % full_every == 0 else two_turns if two_turns is not None and i % 2 == 1 else None
+        view = (full if (i + 1) % full_every == 0
+                else two_turns if two_turns is not None and i % two_turn_every == 1 % two_turn_every else None)
         if view is not None:
             group_of, groups = view
             members, (tokens, attention, loss_mask) = groups[group_of[int(rng.integers(len(demos)))]]
@@ -411,4 +415,5 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
                              seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
-                             logprob_chunk=components.updater.config.logprob_chunk, share_prefix=cfg.share_prefix)
+                             logprob_chunk=components.updater.config.logprob_chunk, share_prefix=cfg.share_prefix,
+                             full_every=cfg.full_every, two_turn_every=cfg.two_turn_every)

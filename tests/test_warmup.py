@@ -185,6 +185,37 @@ def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
     assert chat.decode(tokens).count("assistant\n<tool_call>") == 1
 
 
+# the assistant turns each step's view holds: 1 = cut after the first turn, 2 = after the second, 3 = whole
+@pytest.mark.parametrize("full_every,two_turn_every,expected", [
+    (8, 2, [1, 2, 1, 2, 1, 2, 1, 3, 1, 2, 1, 2, 1, 2, 1, 3]),  # the default
+    (8, 4, [1, 2, 1, 1, 1, 2, 1, 3, 1, 2, 1, 1, 1, 2, 1, 3]),
+    (3, 0, [1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1]),
+    (4, 1, [2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3]),
+])
+def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_every, two_turn_every, expected):
+    from mtrl_jax import warmup
+    from mtrl_jax.model import ModelConfig
+
+    seen = []
+
+    def recording_step(model_cfg, tx, shared, logprob_chunk=512):
+        def step(params, opt_state, tokens, attention, loss_mask):
+            mask = np.asarray(loss_mask)
+            seen.append(max(warmup._assistant_turns(list(row)) for row in mask))  # turns the view holds
+            return params, opt_state, 0.0
+        return step
+
+    monkeypatch.setattr(warmup, "warmup_step", recording_step)
+    monkeypatch.setattr(warmup, "on_mesh", lambda tree, mesh: tree)
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, tie_word_embeddings=True)
+    # prompt, call, results, a second call (the hop), results, the answer: three assistant turns
+    demo = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1])
+    done = warmup.supervised_warmup(cfg, {"w": np.zeros(1)}, [demo] * 4, steps=16, batch_size=2, learning_rate=0.1,
+                                    log=None, full_every=full_every, two_turn_every=two_turn_every, share_prefix=False)
+    assert done.step == 16 and seen == expected
+
+
 @pytest.mark.slow
 def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     import jax
@@ -323,3 +354,18 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
                 assert second.group(1) in text[first.end():second.start()], second.group(1)
     assert shares["single"] == 0.0
     assert 0.45 < shares["default"] < 0.85, shares  # at most (0.5 + 2) / 3: some show no identifier
+
+
+def test_warmup_schedule_fields_are_checked():
+    from configs import default
+    from mtrl_jax.setup import _warmup_settings
+
+    config = default.get_config()
+    settings = _warmup_settings(config)
+    assert (settings.full_every, settings.two_turn_every) == (config.warmup.full_every, config.warmup.two_turn_every)
+    config.warmup.full_every = 0
+    with pytest.raises(ValueError, match="warmup.full_every must be >= 1, got 0"):
+        _warmup_settings(config)
+    config.warmup.full_every, config.warmup.two_turn_every = 8, -1
+    with pytest.raises(ValueError, match=r"warmup.two_turn_every must be >= 0 \(0: never\), got -1"):
+        _warmup_settings(config)
