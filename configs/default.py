@@ -16,8 +16,8 @@ def get_config():
     c.max_epochs = 1
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
-    # 0: max_epochs * (train tasks // global_batch_size). 48 rather than 32: RL also moves describe questions
-    # to vector search (+0.156 over the warm-up against +0.129 in RL-only runs from the same warm-ups, README)
+    # 0: max_epochs * (train tasks // global_batch_size). 48: with 64 the hop spreads to lookups again, with
+    # 32 it is not yet learnt on every seed (RL-only runs from the same warm-ups, README "How long RL runs")
     c.max_steps = 48
     # JAX's persistent compilation cache: a later run (a rerun, another arm of an ablation, a resumed
     # run) loads the programs an earlier one compiled instead of compiling them again, which is minutes
@@ -108,7 +108,7 @@ def get_config():
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
-    c.rl.kl_coef = 0.1  # k3 KL to the policy RL started from (keeps the warmed-up copying intact)
+    c.rl.kl_coef = 0.1  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.3 hops on more lookups)
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1
