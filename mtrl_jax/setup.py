@@ -24,10 +24,10 @@ from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
 from mtrl_jax.model.sharding import make_mesh
-from mtrl_jax.rl.batch import bucket
-from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.advantages import ESTIMATORS
+from mtrl_jax.rl.batch import bucket
 from mtrl_jax.rl.losses import LOSSES
+from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
