@@ -14,7 +14,7 @@ from mtrl_jax.rl import advantages
 # ------------------------------------------------------------------ independent references
 
 
-def ref_grpo(rewards, G, scale="group"):
+def ref_grpo(rewards, G, scale="group", std_floor=0.0):
     r = np.asarray(rewards, np.float64)
     out = np.zeros_like(r)
     batch_std = np.std(r, ddof=1) if len(r) > 1 else 0.0
@@ -26,9 +26,9 @@ def ref_grpo(rewards, G, scale="group"):
         std = math.sqrt(sum((x - mean) ** 2 for x in g) / (G - 1))
         for i in range(G):
             if scale == "group":
-                out[p * G + i] = (g[i] - mean) / (std + 1e-6)
+                out[p * G + i] = (g[i] - mean) / (max(std, std_floor) + 1e-6)
             elif scale == "batch":
-                out[p * G + i] = (g[i] - mean) / (batch_std + 1e-6)
+                out[p * G + i] = (g[i] - mean) / (max(batch_std, std_floor) + 1e-6)
             else:
                 out[p * G + i] = g[i] - mean
     return out
@@ -82,6 +82,22 @@ def test_grpo_random(scale, G):
     np.testing.assert_allclose(got, ref_grpo(r, G, scale), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_grpo_std_floor(scale):
+    # groups of small and large reward spread: the floor damps only the groups (or batch) below it
+    r = np.array([0.80, 0.82, 0.84, 0.86, 0.0, 0.5, 1.0, 0.2, 0.3, 0.3, 0.3, 0.3])
+    for floor in (0.05, 0.3, 2.0):
+        got = advantages.compute("grpo", jnp.asarray(r, jnp.float32), 4, scale=scale, std_floor=floor)
+        np.testing.assert_allclose(got, ref_grpo(r, 4, scale, floor), atol=2e-5, rtol=1e-5)
+    damped = np.asarray(advantages.compute("grpo", jnp.asarray(r, jnp.float32), 4, std_floor=0.3)).reshape(3, 4)
+    plain = np.asarray(advantages.compute("grpo", jnp.asarray(r, jnp.float32), 4)).reshape(3, 4)
+    assert np.abs(damped[0]).max() < 0.2 * np.abs(plain[0]).max()  # the 0.026-std group is damped
+    np.testing.assert_allclose(damped[1], plain[1], rtol=1e-5)  # the 0.43-std group is not
+    assert (damped[2] == 0).all() and (plain[2] == 0).all()  # an all-equal group: exact zeros either way
+    with pytest.raises(ValueError, match="std_floor must be >= 0"):
+        advantages.compute("grpo", jnp.asarray(r, jnp.float32), 4, std_floor=-1.0)
+
+
 def test_dr_grpo_alias():
     r = jnp.array([0.1, 0.9, 0.3, -1.0, 0.5, 0.5])
     np.testing.assert_allclose(advantages.compute("dr_grpo", r, 3), ref_grpo(np.asarray(r), 3, "none"), atol=1e-6)
@@ -115,7 +131,7 @@ def test_all_equal_groups_give_exactly_zero_in_float32(name, opts):
 
 
 def test_registry_options_are_checked_by_name():
-    with pytest.raises(ValueError, match=r"does not take \['k'\]; it takes scale='group'"):
+    with pytest.raises(ValueError, match=r"does not take \['k'\]; it takes scale='group', std_floor=0.0"):
         advantages.compute("grpo", jnp.zeros(4), 2, k=2)
     with pytest.raises(ValueError, match="it takes no options"):
         advantages.compute("rloo", jnp.zeros(4), 2, scale="batch")

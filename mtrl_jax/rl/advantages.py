@@ -65,11 +65,14 @@ def _groups(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
 
 
 @register("grpo")
-def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: str = "group") -> jnp.ndarray:
+def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: str = "group",
+         std_floor: float = 0.0) -> jnp.ndarray:
     """GRPO (Shao et al. 2024): ``(r - mean_g) / (std_g + 1e-6)``, unbiased std (ddof=1).
 
     ``scale="batch"`` divides by the std of the whole batch (mean still per group);
     ``scale="none"`` is Dr.GRPO (Liu et al. 2025): ``r - mean_g``. Groups of size 1 give 0.
+    ``std_floor`` (``"group"`` and ``"batch"``): divide by ``max(std, std_floor) + 1e-6``, so a group
+    whose rewards differ by less than the floor is not scaled up to unit advantages (0: GRPO exactly).
     """
     if group_size == 1:
         return jnp.zeros_like(rewards)
@@ -83,7 +86,9 @@ def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: s
         return centred.reshape(-1)
     else:
         raise ValueError(f"grpo: scale must be 'group', 'batch' or 'none', got {scale!r}")
-    return (centred / (std + EPS)).reshape(-1)
+    if std_floor < 0:
+        raise ValueError(f"grpo: std_floor must be >= 0, got {std_floor!r}")
+    return (centred / (jnp.maximum(std, std_floor) + EPS)).reshape(-1)
 
 
 @register("dr_grpo")
