@@ -101,14 +101,14 @@ def get_config():
     # an option the selected function does not take is an error listing the ones it takes; ENTRY:NAME=VALUE
     # applies only while ENTRY is the one selected (so --config.rl.advantage=rloo needs no other change)
     c.rl.loss_options = ""
-    # grpo:scale=batch: GRPO's group mean with the batch's reward std (Liu et al. 2025, "Lite PPO") rather than each
-    # group's: a lookup group's 0.03 gain from a hop stays small beside a multihop group's 0.5, where the
-    # group std scales both to 1 and RL spreads the hop to lookups (README, "How RL scales advantages")
-    c.rl.advantage_options = "grpo:scale=batch"
+    # grpo:std_floor=0.1: GRPO divides by max(std_g, 0.1), so a lookup group whose hops gain 0.03 is not scaled
+    # up to unit advantages like a multihop group's 0.5 (with the plain group std RL spreads the hop to
+    # lookups; with the batch std describe questions stay on BM25: README, "How RL scales advantages")
+    c.rl.advantage_options = "grpo:std_floor=0.1"
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
-    c.rl.kl_coef = 0.1  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.3 hops on more lookups)
+    c.rl.kl_coef = 0.3  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.1 hops on more lookups)
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1

@@ -153,12 +153,12 @@ def test_scoped_options_apply_only_to_their_entry():
         parse_options(":k=2", "f", advantages.ESTIMATORS, "grpo_passk")
     with pytest.raises(ValueError, match=r"need a selected entry"):
         parse_options("grpo:scale=batch", "f")
-    # the default config's scoped option: GRPO gets the batch std, another estimator nothing
+    # the default config's scoped option: GRPO gets its std floor, another estimator nothing
     from configs import default
     from mtrl_jax.setup import update_config
 
     config = default.get_config()
-    assert dict(update_config(config).advantage_options) == {"scale": "batch"}
+    assert dict(update_config(config).advantage_options) == {"std_floor": 0.1}
     config.rl.advantage = "rloo"
     assert dict(update_config(config).advantage_options) == {}
 
