@@ -354,8 +354,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
 
     full = grouped(len)
     prefixes = after_prefix(_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))
-    # with demonstrations of more than two turns (the teacher's hops), every other step trains on them
-    # cut after their second turn: the hop's call (copied from the first results) or the answer there
+    # with demonstrations of more than two turns (the teacher's hops), one step in two_turn_every trains on
+    # them cut after their second turn: the hop's call (copied from the first results) or the answer there
     two_turns = (grouped(lambda m: _turn_end(m, 2)) if two_turn_every and any(_assistant_turns(m) > 2 for _, m in demos)
                  else None)
 

@@ -74,6 +74,8 @@ def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: s
     ``std_floor`` (``"group"`` and ``"batch"``): divide by ``max(std, std_floor) + 1e-6``, so a group
     whose rewards differ by less than the floor is not scaled up to unit advantages (0: GRPO exactly).
     """
+    if std_floor < 0:
+        raise ValueError(f"grpo: std_floor must be >= 0, got {std_floor!r}")
     if group_size == 1:
         return jnp.zeros_like(rewards)
     groups = _groups(rewards, group_size)
@@ -86,8 +88,6 @@ def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: s
         return centred.reshape(-1)
     else:
         raise ValueError(f"grpo: scale must be 'group', 'batch' or 'none', got {scale!r}")
-    if std_floor < 0:
-        raise ValueError(f"grpo: std_floor must be >= 0, got {std_floor!r}")
     return (centred / (jnp.maximum(std, std_floor) + EPS)).reshape(-1)
 
 
