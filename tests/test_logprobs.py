@@ -27,7 +27,7 @@ def numpy_reference(hidden, head, targets, temperature):
     return logp, entropy
 
 
-@pytest.mark.parametrize("B,T,chunk", [(3, 7, 4), (3, 7, 5), (2, 5, 1000), (4, 8, 8), (1, 1, 3)])
+@pytest.mark.parametrize("B,T,chunk", [(3, 7, 4), (3, 7, 5), (2, 5, 1000), (4, 8, 8), (1, 1, 3), (2, 10, 14), (4, 9, 28)])
 def test_chunked_equals_dense_values_and_grads(B, T, chunk):
     hidden, head, targets, mask = _inputs(B, T, seed=B * T + chunk)
     mask = mask.at[0].set(0.0)  # a fully padded row

@@ -272,6 +272,35 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
         jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a, b[i], rtol=1e-4, atol=1e-5), layer, want["layers"])
 
 
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_a_prefix_computed_once_continues_every_row(impl):
+    """``forward(..., prefix=cache)`` (the rows continue ``P`` shared tokens held as a one-row cache)
+    gives what the whole rows give at the columns after the prefix, stacked or unstacked, in query
+    chunks shorter than the rows or not, with the gradient through the prefix's keys and values."""
+    P, T = 5, 11
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, P + T), 0, 64)
+    tokens = tokens.at[:, :P].set(tokens[0, :P])
+    mask = jnp.asarray(np.arange(P + T)[None] < np.array([P + T, P + 7, P + 1])[:, None])  # right-padded rows
+    for cfg in (_tiny(2, attention_impl=impl, attention_chunk=4), _tiny(2, attention_impl=impl, attention_chunk=64)):
+        params = init_params(cfg, jax.random.PRNGKey(0))
+
+        def whole(p):
+            return forward(cfg, p, tokens, mask)[0][:, P:]
+
+        def continued(p):
+            _, cache = forward(cfg, p, tokens[:1, :P], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
+            return forward(cfg, p, tokens[:, P:], mask[:, P:], prefix=cache)[0]
+
+        real = np.asarray(mask[:, P:])[..., None]
+        for p in (params, unstack_layers(params)):
+            np.testing.assert_allclose(np.asarray(continued(p)) * real, np.asarray(whole(p)) * real, rtol=1e-5, atol=1e-5)
+        weights = jax.random.normal(jax.random.PRNGKey(2), (3, T, cfg.hidden_size)) * real
+        got, want = (jax.grad(lambda p, f=f: (f(p) * weights).sum())(params) for f in (continued, whole))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
+    with pytest.raises(ValueError, match="prefix is for the cache-free"):
+        forward(cfg, params, tokens, mask, init_cache(cfg, 3, 32), jnp.zeros((3,), jnp.int32), prefix=init_cache(cfg, 1, P))
+
+
 @pytest.mark.slow
 def test_remat_gives_the_same_gradient():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)

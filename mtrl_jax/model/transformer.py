@@ -139,19 +139,28 @@ def _ungrouped(out: Array) -> Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
 
 
-def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int,
+                     prefix: Optional[tuple[Array, Array]] = None) -> Array:
     """Causal softmax attention, ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` -> ``[B, T, N, H]``.
 
     The queries go in chunks of ``chunk`` positions; a chunk ending at ``e`` scores only keys
-    ``0..e-1``, so about half of the ``T x T`` score matrix is never computed (``attend``)."""
-    T, K = q.shape[1], k.shape[2]
+    ``0..e-1``, so about half of the ``T x T`` score matrix is never computed (``attend``).
+    ``prefix``: keys and values ``[K, P, H]`` that every row shares and that come before its own (a
+    system prompt computed once, ``shared_prefix_logprobs``); every query sees all of them."""
+    B, T, K = q.shape[0], q.shape[1], k.shape[2]
     q = _grouped(q, K)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+    P = 0
+    if prefix is not None:  # the shared keys first, for every row (the backward pass sums the rows' gradients)
+        P = prefix[0].shape[1]
+        k, v = (jnp.concatenate([jnp.broadcast_to(p[None].astype(x.dtype), (B,) + p.shape), x], axis=2)
+                for p, x in zip(prefix, (k, v)))
+        key_valid = jnp.concatenate([jnp.ones((B, P), bool), key_valid], axis=1)
     outs = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        visible = (jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :])[None] & key_valid[:, None, :end]
-        outs.append(attend(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end], visible))
+        visible = (jnp.arange(P + start, P + end)[:, None] >= jnp.arange(P + end)[None, :])[None] & key_valid[:, None, :P + end]
+        outs.append(attend(q[:, :, :, start:end], k[:, :, :P + end], v[:, :, :P + end], visible))
     return _ungrouped(jnp.concatenate(outs, axis=3))
 
 
@@ -197,13 +206,14 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index, cache_rows):
+    def __call__(self, x, positions, mask, key_valid, cache_kv, layer, write_index, cache_rows, prefix=None):
         """``x [B, T, D]``. With ``cache_kv``, the whole cache ``(k, v) [L, slots, K, S, H]``, of which
         this is layer ``layer`` (``layer`` None: this layer's own ``[slots, K, W, H]``, ``KVCache.per_layer``),
         attending to its first ``W`` slots under ``mask [B, 1, T, W]``, and
         ``write_index [B, T]`` the cache index of each new token (out of range = not written); row
         ``b`` of the block is cache row ``cache_rows[b]`` (None: the block holds every cache row).
-        Without, causal attention over the block, to the keys where ``key_valid [B, T]``."""
+        Without, causal attention over the block, to the keys where ``key_valid [B, T]``, after this
+        layer's ``prefix`` keys and values ``([K, P, H], [K, P, H])`` if given (seen by every query)."""
         cfg = self.config
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = cfg.compute_dtype
@@ -247,12 +257,17 @@ class Attention(nn.Module):
                 k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
         if cfg.attention_impl is None:
-            out = (causal_attention(q, k, v, key_valid, cfg.attention_chunk) if cache_kv is None
+            out = (causal_attention(q, k, v, key_valid, cfg.attention_chunk, prefix) if cache_kv is None
                    else cached_attention(q, k.astype(dtype), v.astype(dtype), mask))
         else:
             if cache_kv is not None:
                 k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, W, K, H], the library's layout
             mask = mask if mask is not None else causal_mask(key_valid)
+            if prefix is not None:  # [K, P, H] -> every row's first keys, all visible
+                B, P = k.shape[0], prefix[0].shape[1]
+                k, v = (jnp.concatenate([jnp.broadcast_to(jnp.swapaxes(p, 0, 1)[None].astype(x.dtype), (B, P) + x.shape[2:]), x],
+                                        axis=1) for p, x in zip(prefix, (k, v)))
+                mask = jnp.concatenate([jnp.ones(mask.shape[:3] + (P,), bool), mask], axis=-1)
             out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask,
                                                implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl)
         out = dense(out, wo.astype(dtype), contract=2)
@@ -279,11 +294,13 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions, mask, key_valid, write_index, cache_rows):
-        """``carry = (x, cache)``: the hidden states and the whole cache (or None), layer ``layer``'s turn."""
+    def __call__(self, carry, layer, positions, mask, key_valid, write_index, cache_rows, prefix=None):
+        """``carry = (x, cache)``: the hidden states and the whole cache (or None), layer ``layer``'s turn;
+        ``prefix``: this layer's shared prefix keys and values (``Transformer``), or None."""
         x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index, cache_rows)
+            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index, cache_rows,
+            prefix)
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -308,6 +325,7 @@ class Transformer(nn.Module):
         offsets: Optional[Array] = None,
         window: Optional[int] = None,
         cache_rows: Optional[Array] = None,
+        prefix: Optional[KVCache] = None,
     ):
         """Two modes.
 
@@ -318,6 +336,10 @@ class Transformer(nn.Module):
           Attention reads the first ``window`` slots (default: all); every row's ``offsets[b] + T``
           must be within it. With ``cache_rows [B]``, row ``b`` of the block is cache row
           ``cache_rows[b]`` (a block of some of the cache's rows; ``offsets`` are of those rows).
+
+        Without a cache, ``prefix`` (a one-row cache ``[L, 1, K, P, H]`` filled with ``P`` tokens, e.g.
+        a system prompt) is what every row continues: the rows' positions are ``P..P+T-1`` and each
+        query also sees the ``P`` prefix keys (``shared_prefix_logprobs``: the prefix computed once).
         """
         cfg = self.config
         B, T = tokens.shape
@@ -331,10 +353,13 @@ class Transformer(nn.Module):
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
 
         steps = jnp.arange(T)
+        if prefix is not None and cache is not None:
+            raise ValueError("prefix is for the cache-free (training) mode; with a cache, the prefix is in the cache")
+        prefix_kv = None if prefix is None else (prefix.k[:, 0], prefix.v[:, 0])  # [L, K, P, H] each
         if cache is None:
-            positions = jnp.broadcast_to(steps, (B, T))
+            positions = jnp.broadcast_to(steps + (0 if prefix is None else prefix.max_len), (B, T))
             mask = None  # causal over the block, built by the attention (in chunks, by default)
-            write_index = positions
+            write_index = None  # no cache to write
             layer_cache = None
         else:
             positions = offsets[:, None] + steps[None, :]
@@ -353,7 +378,8 @@ class Transformer(nn.Module):
                 if per_layer:
                     carry = (carry[0], (cache.k[i], cache.v[i]))
                 carry, _ = layer(cfg, name=f"layers_{i}")(carry, None if per_layer else i, positions, mask, attention_mask,
-                                                          write_index, cache_rows)
+                                                          write_index, cache_rows,
+                                                          None if prefix_kv is None else (prefix_kv[0][i], prefix_kv[1][i]))
                 if per_layer:
                     ks.append(carry[1][0])
                     vs.append(carry[1][1])
@@ -363,13 +389,15 @@ class Transformer(nn.Module):
                 layer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),  # layer index; the rest are shared
+                # the layer index (and each layer's prefix) scanned; the rest shared
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast,
+                         nn.broadcast if prefix_kv is None else 0),
                 length=cfg.num_layers,
                 unroll=cfg.scan_unroll or cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
-                                                          attention_mask, write_index, cache_rows)
+                                                          attention_mask, write_index, cache_rows, prefix_kv)
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 
@@ -388,11 +416,13 @@ def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
     return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
-def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None, cache_rows=None):
+def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None, cache_rows=None,
+            prefix=None):
     """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``. ``params``
     stacked (as stored) or unstacked (``unstack_layers``)."""
     unstacked = "layers" not in params
-    return Transformer(cfg, unstacked).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows)
+    return Transformer(cfg, unstacked).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows,
+                                             prefix)
 
 
 def unstack_layers(params):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.transformer import KVCache, forward, head_kernel, init_cache
+from mtrl_jax.model.transformer import forward, head_kernel, init_cache
 
 
 def _logp_entropy(hidden, head, targets, temperature):
@@ -62,8 +62,8 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     B, T, D = hidden.shape
     chex.assert_shape(targets, (B, T))
     chex.assert_rank(head, 2)
-    width = max(1, min(T, chunk_size // B))
-    n_chunks = -(-T // width)
+    n_chunks = -(-T // max(1, min(T, chunk_size // B)))
+    width = -(-T // n_chunks)  # balanced: T = 310 in chunks of 256 is two of 155, not 512 positions
     if n_chunks == 1:  # one chunk holds every token: no scan, and no recompute in the backward pass
         return token_logprobs_dense(hidden, head, targets, temperature)
     pad = n_chunks * width - T
@@ -108,17 +108,12 @@ def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_m
     and gradients, to ``sequence_logprobs`` of ``prefix + row`` at columns ``P`` onwards, but the
     prefix (a system prompt every demonstration opens with) is computed once instead of once per
     row: its keys and values, computed as a one-row cache, are what every row's continuation attends
-    to (the backward pass sums the rows' gradients through them)."""
+    to before its own (``causal_attention``'s ``prefix``: causal in chunks like any training
+    forward; the backward pass sums the rows' gradients through them)."""
     P = prefix.shape[0]
-    B, S = tokens.shape
+    B = tokens.shape[0]
     hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
-
-    def rows(x):  # [L, 1, K, P, H] -> [L, B, K, P + S, H]: the prefix for every row, then room for its own
-        x = jnp.broadcast_to(x, (x.shape[0], B) + x.shape[2:])
-        return jnp.concatenate([x, jnp.zeros(x.shape[:3] + (S,) + x.shape[4:], x.dtype)], axis=3)
-
-    hidden, _ = forward(cfg, params, tokens, attention_mask, KVCache(rows(cache.k), rows(cache.v)),
-                        jnp.full((B,), P, jnp.int32))
+    hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
     last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
     return token_logprobs(jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens,
                           temperature, chunk_size)
