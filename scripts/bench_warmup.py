@@ -9,19 +9,35 @@ warm-up trains on: the first-turn cut (7 of every 8 steps) and whole demonstrati
 length group). The two sides alternate, `--steps` steps each, `--repeats` rounds, on the same
 batches from the same parameters; the script prints the median step time of each, the ratio, the
 tokens each computes per step, and the largest loss difference (the same loss, to float rounding).
+
+    python scripts/bench_warmup.py --baseline 35ea290   # this tree against another commit
+
+``--baseline REV`` instead times the warm-up's whole schedule here against ``REV``: child processes,
+alternated ``--rounds`` times, import ``mtrl_jax`` from this tree or from a git worktree of ``REV``;
+each times the step on every batch shape the default's warm-up trains on (the first-turn cut, each
+length group of the two-turn cuts and of whole demonstrations: ``--steps`` steps after a compiled
+first one) and weighs them as ``supervised_warmup``'s schedule draws them (``full_every``,
+``two_turn_every``, a group as often as its demonstrations). The script prints each shape's median
+milliseconds on both sides and the expected seconds of the ``warmup.steps`` steps, with the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
+import os
 import pathlib
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 
+from bench_common import REPO, worktree
 from configs.default import get_config
 from mtrl_jax.model.sharding import activate, place_batch
 from mtrl_jax.rl.batch import bucket
@@ -42,11 +58,98 @@ def warmup_views(demos):
     return shared, first_turns, groups, whole
 
 
+def schedule_shapes(demos, config):
+    """``{shape name: (rows, expected steps)}``: every batch the warm-up of ``config`` trains on (the
+    shared prefix's columns removed), with how many of its ``warmup.steps`` steps draw it."""
+    w = config.warmup
+    P = len(common_prefix(demos))
+    kinds = collections.Counter("full" if (i + 1) % w.full_every == 0
+                                else "two" if w.two_turn_every and i % w.two_turn_every == 1 % w.two_turn_every else "first"
+                                for i in range(w.steps))
+    shapes = {"first turns": (tuple(x[:, P:] for x in _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])),
+                              kinds["first"])}
+    for kind, cut in (("two", lambda m: _turn_end(m, 2)), ("full", len)):
+        cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
+        lengths = [bucket(len(t), 64) for t, _ in cuts]
+        for length, count in sorted(collections.Counter(lengths).items()):
+            packed = _pack([d for d, g in zip(cuts, lengths) if g == length], 64)
+            shapes[f"{'two turns' if kind == 'two' else 'whole'} {length}"] = (tuple(x[:, P:] for x in packed),
+                                                                               kinds[kind] * count / len(demos))
+    return shapes
+
+
+def schedule_child(steps: int, cache_dir: str) -> None:
+    """``--child``: the schedule's shapes timed with whichever ``mtrl_jax`` is on the path; one JSON line."""
+    config = get_config()
+    config.unlock()
+    config.compilation_cache_dir = cache_dir  # the rounds after the first load their side's programs
+    c = build(config, pathlib.Path(tempfile.mkdtemp(prefix="bench_warmup_")))
+    demos = demonstrations(c)
+    shared = np.asarray(common_prefix(demos), np.int32)
+    tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
+    step = warmup_step(c.model_cfg, tx, shared, c.updater.config.logprob_chunk)
+    rng = np.random.default_rng(0)
+    out = {}
+    with activate(c.mesh):
+        for name, (packed, count) in schedule_shapes(demos, config).items():
+            idx = rng.choice(len(packed[0]), size=c.warmup.batch_size, replace=len(packed[0]) < c.warmup.batch_size)
+            placed = place_batch(tuple(x[idx] for x in packed), c.mesh)
+            params, state = c.params, tx.init(c.params)
+            times = []
+            for i in range(steps + 1):
+                start = time.perf_counter()
+                params, state, loss = step(params, state, *placed)
+                float(loss)
+                if i:
+                    times.append(time.perf_counter() - start)
+            out[name] = (statistics.median(times), count, list(placed[0].shape))
+    print("schedule " + json.dumps(out))
+
+
+def against_baseline(args) -> None:
+    cache = tempfile.mkdtemp(prefix="bench_warmup_cache_")
+    with worktree(args.baseline) as tree:
+        runs = {"this tree": [], args.baseline: []}
+        for _ in range(args.rounds):
+            for side, root in (("this tree", REPO), (args.baseline, tree)):
+                env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'scripts'}"}
+                done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--cache", f"{cache}/{side}"],
+                                      cwd=root, env=env, capture_output=True, text=True)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("schedule ")]
+                if done.returncode or not lines:
+                    raise RuntimeError(f"the {side} child failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+                runs[side].append(json.loads(lines[-1][len("schedule "):]))
+                print(f"  {side}, round {len(runs[side])}: expected warm-up "
+                      f"{sum(t * n for t, n, _ in runs[side][-1].values()):.1f} s", flush=True)
+    ours, theirs = runs["this tree"], runs[args.baseline]
+    print(f"warm-up step by batch shape, medians of {args.rounds} alternated children ({args.steps} steps each):")
+    totals = {"this tree": [], args.baseline: []}
+    for side, children in runs.items():
+        totals[side] = [sum(t * n for t, n, _ in child.values()) for child in children]
+    for name in ours[0]:
+        a = statistics.median(child[name][0] for child in ours)
+        b = statistics.median(child[name][0] for child in theirs)
+        print(f"  {name:>16} {str(ours[0][name][2]):>10}, {ours[0][name][1]:7.1f} steps: {a * 1e3:6.1f} ms vs "
+              f"{b * 1e3:6.1f} ms at {args.baseline}: {b / a:.2f}x")
+    a, b = statistics.median(totals["this tree"]), statistics.median(totals[args.baseline])
+    print(f"expected warm-up ({get_config().warmup.steps} steps): {a:.0f} s here vs {b:.0f} s at {args.baseline}: "
+          f"{b / a:.2f}x faster (per child: {', '.join(f'{t:.0f}' for t in totals['this tree'])} vs "
+          f"{', '.join(f'{t:.0f}' for t in totals[args.baseline])} s)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", default="", help="a git revision: time the warm-up's schedule here and there")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated child processes per side (--baseline)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return schedule_child(args.steps, args.cache)
+    if args.baseline:
+        return against_baseline(args)
 
     config = get_config()
     config.unlock()
