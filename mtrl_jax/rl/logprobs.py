@@ -55,7 +55,9 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     held for the backward pass instead of recomputed (a third less work in the output projection,
     for the memory; fine on a CPU-sized model).
 
-    A chunk is every row's next ``max(1, chunk_size // B)`` positions (about ``chunk_size`` tokens):
+    A chunk is every row's next ``ceil(T / n)`` positions, ``n`` the fewest chunks of at most
+    ``max(1, chunk_size // B)`` positions each (at most about ``chunk_size`` tokens; fewer than ``n``
+    padding positions per row):
     the scan runs over time, so each chunk keeps the batch axis, and its sharding over the mesh's
     ``data`` x ``fsdp`` devices (a chunk of flattened tokens would sit on one device and be computed
     on all of them)."""
