@@ -282,6 +282,15 @@ class WarmupProgress:
     losses: list
 
 
+def step_view(i: int, full_every: int, two_turn_every: int) -> str:
+    """Which view of the demonstrations warm-up step ``i`` (0-based) trains on: ``"full"`` (whole
+    ones, one step in ``full_every``), ``"two"`` (cut after their second turn, one of the other steps
+    in ``two_turn_every``; 0: never) or ``"first"`` (cut after their first turn)."""
+    if (i + 1) % full_every == 0:
+        return "full"
+    return "two" if two_turn_every and i % two_turn_every == 1 % two_turn_every else "first"
+
+
 def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
@@ -369,8 +378,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     for i in range(start, steps):
         if should_stop is not None and should_stop():
             return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
-        view = (full if (i + 1) % full_every == 0
-                else two_turns if two_turns is not None and i % two_turn_every == 1 % two_turn_every else None)
+        view = {"full": full, "two": two_turns, "first": None}[step_view(i, full_every, two_turn_every)]
         if view is not None:
             group_of, groups = view
             members, (tokens, attention, loss_mask) = groups[group_of[int(rng.integers(len(demos)))]]

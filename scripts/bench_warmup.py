@@ -58,23 +58,20 @@ def warmup_views(demos):
     return shared, first_turns, groups, whole
 
 
-def schedule_shapes(demos, config):
-    """``{shape name: (rows, expected steps)}``: every batch the warm-up of ``config`` trains on (the
-    shared prefix's columns removed), with how many of its ``warmup.steps`` steps draw it."""
-    w = config.warmup
+def schedule_shapes(demos):
+    """``{shape name: (rows, view, share)}``: every batch shape the default's warm-up trains on (the
+    shared prefix's columns removed), the view of the demonstrations it is one of (``step_view``) and
+    the share of that view's steps that draw it (a length group as often as its demonstrations)."""
     P = len(common_prefix(demos))
-    kinds = collections.Counter("full" if (i + 1) % w.full_every == 0
-                                else "two" if w.two_turn_every and i % w.two_turn_every == 1 % w.two_turn_every else "first"
-                                for i in range(w.steps))
     shapes = {"first turns": (tuple(x[:, P:] for x in _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])),
-                              kinds["first"])}
-    for kind, cut in (("two", lambda m: _turn_end(m, 2)), ("full", len)):
+                              "first", 1.0)}
+    for view, cut in (("two", lambda m: _turn_end(m, 2)), ("full", len)):
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
         lengths = [bucket(len(t), 64) for t, _ in cuts]
         for length, count in sorted(collections.Counter(lengths).items()):
             packed = _pack([d for d, g in zip(cuts, lengths) if g == length], 64)
-            shapes[f"{'two turns' if kind == 'two' else 'whole'} {length}"] = (tuple(x[:, P:] for x in packed),
-                                                                               kinds[kind] * count / len(demos))
+            shapes[f"{'two turns' if view == 'two' else 'whole'} {length}"] = (tuple(x[:, P:] for x in packed), view,
+                                                                               count / len(demos))
     return shapes
 
 
@@ -91,7 +88,7 @@ def schedule_child(steps: int, cache_dir: str) -> None:
     rng = np.random.default_rng(0)
     out = {}
     with activate(c.mesh):
-        for name, (packed, count) in schedule_shapes(demos, config).items():
+        for name, (packed, view, share) in schedule_shapes(demos).items():
             idx = rng.choice(len(packed[0]), size=c.warmup.batch_size, replace=len(packed[0]) < c.warmup.batch_size)
             placed = place_batch(tuple(x[idx] for x in packed), c.mesh)
             params, state = c.params, tx.init(c.params)
@@ -102,11 +99,22 @@ def schedule_child(steps: int, cache_dir: str) -> None:
                 float(loss)
                 if i:
                     times.append(time.perf_counter() - start)
-            out[name] = (statistics.median(times), count, list(placed[0].shape))
+            out[name] = (statistics.median(times), view, share, list(placed[0].shape))
     print("schedule " + json.dumps(out))
 
 
 def against_baseline(args) -> None:
+    from mtrl_jax.warmup import step_view  # this tree's (a child may import an older mtrl_jax, without it)
+
+    w = get_config().warmup  # the schedule's views, counted with this tree's step_view (both trees draw them alike)
+    views = collections.Counter(step_view(i, w.full_every, w.two_turn_every) for i in range(w.steps))
+
+    def expected(child):  # {name: seconds a step} -> the warm-up's expected seconds
+        return {name: views[view] * share for name, (_, view, share, _) in child.items()}
+
+    def total(child):
+        return sum(child[name][0] * n for name, n in expected(child).items())
+
     cache = tempfile.mkdtemp(prefix="bench_warmup_cache_")
     with worktree(args.baseline) as tree:
         runs = {"this tree": [], args.baseline: []}
@@ -119,22 +127,18 @@ def against_baseline(args) -> None:
                 if done.returncode or not lines:
                     raise RuntimeError(f"the {side} child failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
                 runs[side].append(json.loads(lines[-1][len("schedule "):]))
-                print(f"  {side}, round {len(runs[side])}: expected warm-up "
-                      f"{sum(t * n for t, n, _ in runs[side][-1].values()):.1f} s", flush=True)
+                print(f"  {side}, round {len(runs[side])}: expected warm-up {total(runs[side][-1]):.1f} s", flush=True)
     ours, theirs = runs["this tree"], runs[args.baseline]
     print(f"warm-up step by batch shape, medians of {args.rounds} alternated children ({args.steps} steps each):")
-    totals = {"this tree": [], args.baseline: []}
-    for side, children in runs.items():
-        totals[side] = [sum(t * n for t, n, _ in child.values()) for child in children]
-    for name in ours[0]:
+    for name, n in expected(ours[0]).items():
         a = statistics.median(child[name][0] for child in ours)
         b = statistics.median(child[name][0] for child in theirs)
-        print(f"  {name:>16} {str(ours[0][name][2]):>10}, {ours[0][name][1]:7.1f} steps: {a * 1e3:6.1f} ms vs "
+        print(f"  {name:>16} {str(ours[0][name][3]):>10}, {n:7.1f} steps: {a * 1e3:6.1f} ms vs "
               f"{b * 1e3:6.1f} ms at {args.baseline}: {b / a:.2f}x")
-    a, b = statistics.median(totals["this tree"]), statistics.median(totals[args.baseline])
-    print(f"expected warm-up ({get_config().warmup.steps} steps): {a:.0f} s here vs {b:.0f} s at {args.baseline}: "
-          f"{b / a:.2f}x faster (per child: {', '.join(f'{t:.0f}' for t in totals['this tree'])} vs "
-          f"{', '.join(f'{t:.0f}' for t in totals[args.baseline])} s)")
+    here, there = [total(child) for child in ours], [total(child) for child in theirs]
+    a, b = statistics.median(here), statistics.median(there)
+    print(f"expected warm-up ({w.steps} steps): {a:.0f} s here vs {b:.0f} s at {args.baseline}: {b / a:.2f}x faster "
+          f"(per child: {', '.join(f'{t:.0f}' for t in here)} vs {', '.join(f'{t:.0f}' for t in there)} s)")
 
 
 def main():
