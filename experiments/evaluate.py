@@ -5,6 +5,11 @@ checkpoint of a real config). ``--samples=k`` draws k samples per query (at the 
 temperature) for pass@k and max@k; ``--compare=OTHER_OUT`` adds a base -> fine-tuned table.
 """
 
+if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
+    from mtrl_jax.host import reexec_with_tunables
+
+    reexec_with_tunables()
+
 import logging
 
 from absl import app, flags

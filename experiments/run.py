@@ -6,6 +6,11 @@ start the same command on each with ``--coordinator_address=HOST:PORT --num_proc
 under SLURM or on a TPU pod slice, and one ``--workdir`` on a file system they share.
 """
 
+if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
+    from mtrl_jax.host import reexec_with_tunables
+
+    reexec_with_tunables()
+
 import logging
 
 from absl import app, flags

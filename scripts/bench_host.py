@@ -1,11 +1,10 @@
-"""The host allocator policy (``mtrl_jax/host.py``) against its thresholds alone and glibc's defaults, side by side.
+"""The host allocator policy (``mtrl_jax/host.py``) against glibc's defaults, side by side.
 
     python scripts/bench_host.py               # 5 rounds
     python scripts/bench_host.py --rounds 3
 
 The policy is set per process (``mallopt`` at import), so each side runs in its own child process
-(``MTRL_JAX_MALLOC=tuned``, ``thresholds``: the mmap and trim thresholds without the arena limit, or
-``default``: glibc's own policy), the three alternated ``--rounds`` times; each child times,
+(``MTRL_JAX_MALLOC=tuned`` or ``default``), the two alternated ``--rounds`` times; each child times,
 after a warm-up call each (medians of ``--repeats`` calls):
 
 * **decode 48 tokens**: one sampler decode call as the collector makes it (32 rows, a 512-slot
@@ -15,8 +14,8 @@ after a warm-up call each (medians of ``--repeats`` calls):
 * **update**: the tiny policy's jitted update on B32 x T384 (``bench_train_step.py``'s mtrl-jax side);
 * **copy 64 MiB**: ``jnp.copy`` of a 64 MiB array (a fresh output buffer, nothing else).
 
-The script prints the median of each measure on each side over the rounds and the ratios thresholds /
-tuned and default / tuned (above 1: the tuned policy is faster). Only the CPU backend is measured.
+The script prints the median of each measure on each side over the rounds and the ratio default /
+tuned (above 1: the tuned policy is faster). Only the CPU backend is measured.
 """
 
 from __future__ import annotations
@@ -92,8 +91,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    env.pop("MALLOC_ARENA_MAX", None)  # each child's policy is MTRL_JAX_MALLOC's alone
-    results = {"tuned": [], "thresholds": [], "default": []}
+    results = {"tuned": [], "default": []}
     for r in range(args.rounds):
         for side in results:
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--repeats", str(args.repeats)],
@@ -102,14 +100,13 @@ def main():
                 raise SystemExit(f"the {side} child failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
             results[side].append(json.loads(run.stdout.strip().splitlines()[-1]))
             row = ", ".join(f"{m} {results[side][-1][m]:.2f}" for m in MEASURES)
-            print(f"round {r + 1} {side:10s} (ms): {row}", flush=True)
+            print(f"round {r + 1} {side:7s} (ms): {row}", flush=True)
     print(f"\nmedians of {args.rounds} alternated rounds (ms); tuned = {results['tuned'][0]['policy']}, "
-          f"thresholds = {results['thresholds'][0]['policy']}, default = glibc's own policy")
-    print(f"{'measure':30s} | {'tuned':>9s} | {'thresholds':>10s} | {'default':>9s} | thresholds / tuned | default / tuned")
+          f"default = glibc's own policy")
+    print(f"{'measure':30s} | {'tuned':>9s} | {'default':>9s} | default / tuned")
     for m in MEASURES:
-        tuned, thresholds, default = (statistics.median(x[m] for x in results[s]) for s in results)
-        print(f"{m:30s} | {tuned:9.2f} | {thresholds:10.2f} | {default:9.2f} | {thresholds / tuned:18.2f}x | "
-              f"{default / tuned:.2f}x")
+        tuned, default = (statistics.median(x[m] for x in results[s]) for s in ("tuned", "default"))
+        print(f"{m:30s} | {tuned:9.2f} | {default:9.2f} | {default / tuned:.2f}x")
 
 
 if __name__ == "__main__":
