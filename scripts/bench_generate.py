@@ -27,6 +27,11 @@ The three must produce the same tokens (printed). Then, on ``tiny``:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
+    from mtrl_jax.host import reexec_with_tunables
+
+    reexec_with_tunables()
+
 import argparse
 import functools
 import statistics

@@ -1,10 +1,13 @@
-"""The host allocator policy (``mtrl_jax/host.py``) against glibc's defaults, side by side.
+"""The host allocator policy (``mtrl_jax/host.py``) against its thresholds alone and glibc's defaults, side by side.
 
     python scripts/bench_host.py               # 5 rounds
     python scripts/bench_host.py --rounds 3
 
-The policy is set per process (``mallopt`` at import), so each side runs in its own child process
-(``MTRL_JAX_MALLOC=tuned`` or ``default``), the two alternated ``--rounds`` times; each child times,
+The policy is set per process (``mallopt`` at import, ``GLIBC_TUNABLES`` at the start), so each side
+runs in its own child process, the three alternated ``--rounds`` times: **tuned** (the thresholds and
+``glibc.malloc.hugetlb=1``, what the entry points run with), **thresholds** (the thresholds alone:
+``glibc.malloc.hugetlb=0``) and **default** (``MTRL_JAX_MALLOC=default``: glibc's own policy). Each
+child times,
 after a warm-up call each (medians of ``--repeats`` calls):
 
 * **decode 48 tokens**: one sampler decode call as the collector makes it (32 rows, a 512-slot
@@ -14,8 +17,9 @@ after a warm-up call each (medians of ``--repeats`` calls):
 * **update**: the tiny policy's jitted update on B32 x T384 (``bench_train_step.py``'s mtrl-jax side);
 * **copy 64 MiB**: ``jnp.copy`` of a 64 MiB array (a fresh output buffer, nothing else).
 
-The script prints the median of each measure on each side over the rounds and the ratio default /
-tuned (above 1: the tuned policy is faster). Only the CPU backend is measured.
+The script prints the median of each measure on each side over the rounds, the ratios thresholds /
+tuned and default / tuned (above 1: the tuned policy is faster), and the page faults of one update
+call. Only the CPU backend is measured.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
 MEASURES = ("decode 48 tokens", "decode 1 token, 2,048 slots", "update", "copy 64 MiB")
+SIDES = {"tuned": {"MTRL_JAX_MALLOC": "tuned", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+         "thresholds": {"MTRL_JAX_MALLOC": "tuned", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+         "default": {"MTRL_JAX_MALLOC": "default"}}
 
 
 def child(repeats: int) -> dict:
@@ -74,6 +82,9 @@ def child(repeats: int) -> dict:
     out["decode 1 token, 2,048 slots"] = decode_ms(2048, 1, [p[:64] for p in prompts])
     _, step = project_side(cfg, make_batch(cfg, *BATCH["tiny"]))
     out["update"] = median_ms(lambda _: step())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    out["update page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     big = jnp.ones((16 << 20,), jnp.float32)
     out["copy 64 MiB"] = median_ms(lambda _: jax.block_until_ready(jnp.copy(big)))
     return out
@@ -91,22 +102,25 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    results = {"tuned": [], "default": []}
+    env.pop("GLIBC_TUNABLES", None)
+    results = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in results:
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--repeats", str(args.repeats)],
-                                 env=dict(env, MTRL_JAX_MALLOC=side), capture_output=True, text=True, check=False)
+                                 env=dict(env, **SIDES[side]), capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 raise SystemExit(f"the {side} child failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
             results[side].append(json.loads(run.stdout.strip().splitlines()[-1]))
             row = ", ".join(f"{m} {results[side][-1][m]:.2f}" for m in MEASURES)
-            print(f"round {r + 1} {side:7s} (ms): {row}", flush=True)
+            print(f"round {r + 1} {side:10s} (ms): {row}; update page faults {results[side][-1]['update page faults']}",
+                  flush=True)
     print(f"\nmedians of {args.rounds} alternated rounds (ms); tuned = {results['tuned'][0]['policy']}, "
-          f"default = glibc's own policy")
-    print(f"{'measure':30s} | {'tuned':>9s} | {'default':>9s} | default / tuned")
-    for m in MEASURES:
-        tuned, default = (statistics.median(x[m] for x in results[s]) for s in ("tuned", "default"))
-        print(f"{m:30s} | {tuned:9.2f} | {default:9.2f} | {default / tuned:.2f}x")
+          f"thresholds = {results['thresholds'][0]['policy']}, default = glibc's own policy")
+    print(f"{'measure':30s} | {'tuned':>9s} | {'thresholds':>10s} | {'default':>9s} | thresholds / tuned | default / tuned")
+    for m in MEASURES + ("update page faults",):
+        tuned, thresholds, default = (statistics.median(x[m] for x in results[side]) for side in SIDES)
+        ratios = f"{thresholds / tuned:17.2f}x | {default / tuned:.2f}x" if m in MEASURES else ""
+        print(f"{m:30s} | {tuned:9.2f} | {thresholds:10.2f} | {default:9.2f} | {ratios}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ it prints the median of the children's medians and the speed-up.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
+    from mtrl_jax.host import reexec_with_tunables
+
+    reexec_with_tunables()
+
 import argparse
 import os
 import statistics
