@@ -13,12 +13,11 @@ The thresholds act on the main arena only. A thread that finds the main arena bu
 its own, made of heaps of at most 64 MiB, and a larger block there is mmapped whatever the threshold:
 XLA runs programs on its own threads, so the single temporary buffer of a jitted update (614 MiB on
 the default tiny policy's B32 x T384 batch) was mapped and faulted in, 4 KiB at a time, on every call
-(160,000 faults, about 0.3 s of a 0.5 s step). Putting every thread on the main arena
+(160,000 to 230,000 faults a call, a third or more of its time). Putting every thread on the main arena
 (``MALLOC_ARENA_MAX=1``) removed the faults but made the default run slower (its threads then wait
 on the one arena's lock: README, "Host allocator"). What works is glibc's tunable
 ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later): glibc then asks for transparent huge pages on the
-memory it maps, so such a buffer is faulted in 2 MiB at a time (about 800 faults a call instead of
-160,000). glibc reads tunables when the process starts, from ``GLIBC_TUNABLES``, so the entry points
+memory it maps, so such a buffer is faulted in 2 MiB at a time (under 1,000 faults a call). glibc reads tunables when the process starts, from ``GLIBC_TUNABLES``, so the entry points
 (``experiments/run.py``, ``experiments/evaluate.py``, the benchmarks that time programs) call
 ``reexec_with_tunables()`` first: it restarts the process once, with the tunable added. A library
 user sets ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment instead.
@@ -43,8 +42,8 @@ ENV = "MTRL_JAX_MALLOC"
 HUGETLB = "glibc.malloc.hugetlb"  # the tunable; 1: madvise(MADV_HUGEPAGE) on what malloc maps
 REEXEC_MARK = "MTRL_JAX_REEXECUTED"  # set in the restarted process: never restart twice
 
-# what ``tune_allocator`` set: {"mmap_threshold": bytes, "trim_threshold": bytes}, and "hugetlb": 1 when the
-# process started with the tunable (GLIBC_TUNABLES); empty when nothing was set
+# what ``tune_allocator`` set: {"mmap_threshold": bytes, "trim_threshold": bytes}, and "hugetlb": its value when
+# the process started with the tunable on (GLIBC_TUNABLES); empty when nothing was set
 applied: dict = {}
 
 
@@ -59,20 +58,24 @@ def _glibc() -> bool:
     return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-def hugetlb_tunable(environ=None) -> str:
-    """The value of ``glibc.malloc.hugetlb`` in ``GLIBC_TUNABLES`` (``environ``: ``os.environ``), "" if absent."""
-    for item in (environ if environ is not None else os.environ).get("GLIBC_TUNABLES", "").split(":"):
+def hugetlb_tunable() -> str:
+    """The value of ``glibc.malloc.hugetlb`` in this process's ``GLIBC_TUNABLES``, "" if absent."""
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
         name, _, value = item.partition("=")
         if name == HUGETLB:
             return value
     return ""
 
 
-def _transparent_huge_pages() -> bool:
-    """Whether the kernel gives transparent huge pages to memory that asks for them."""
+def huge_pages_possible() -> bool:
+    """Whether the tunable can act here: glibc 2.35 or later, and a kernel that gives transparent huge
+    pages to memory that asks for them."""
+    if not _glibc():
+        return False
+    version = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2] if x.isdigit())
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
+            return version >= (2, 35) and "[never]" not in f.read()
     except OSError:
         return False
 
@@ -83,10 +86,7 @@ def reexec_with_tunables() -> None:
     the kernel has no transparent huge pages, the tunable is already set (to any value: the user's
     choice), or this process is already the restarted one. Call it first thing in an entry point:
     the restart runs the same command line (``sys.orig_argv``) from the start."""
-    if _mode() == "default" or not _glibc() or os.environ.get(REEXEC_MARK) or hugetlb_tunable():
-        return
-    version = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2] if x.isdigit())
-    if version < (2, 35) or not _transparent_huge_pages():
+    if _mode() == "default" or os.environ.get(REEXEC_MARK) or hugetlb_tunable() or not huge_pages_possible():
         return
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     env = dict(os.environ, GLIBC_TUNABLES=f"{tunables}:{HUGETLB}=1" if tunables else f"{HUGETLB}=1", **{REEXEC_MARK: "1"})
@@ -101,7 +101,7 @@ def tune_allocator() -> dict:
     if _mode() == "default" or not _glibc():
         return applied
     if hugetlb_tunable() not in ("", "0"):
-        applied["hugetlb"] = int(hugetlb_tunable()) if hugetlb_tunable().isdigit() else hugetlb_tunable()
+        applied["hugetlb"] = hugetlb_tunable()
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from mtrl_jax.host import huge_pages_possible
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -55,13 +57,7 @@ def _restart(**env_extra):
     return done.stdout.splitlines()
 
 
-def _huge_pages_possible():
-    from mtrl_jax import host
-    version = tuple(int(x) for x in platform.libc_ver()[1].split(".")[:2] if x.isdigit())
-    return host._glibc() and version >= (2, 35) and host._transparent_huge_pages()
-
-
-@pytest.mark.skipif(not _huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
+@pytest.mark.skipif(not huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
 def test_an_entry_point_restarts_once_with_the_huge_page_tunable():
     # restarted once, same arguments, the tunable added (after any the user had), and recorded
     assert _restart() == ["run  ['an-argument']", "run glibc.malloc.hugetlb=1 ['an-argument']",
@@ -100,7 +96,7 @@ def _faults(hugetlb):
     return int(pages), float(median)
 
 
-@pytest.mark.skipif(not _huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
+@pytest.mark.skipif(not huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
 def test_with_the_tunable_a_large_temporary_buffer_faults_in_by_huge_pages():
     """A jitted program whose temporaries exceed a thread arena's 64 MiB heap: XLA's thread maps them
     afresh on every call; with ``glibc.malloc.hugetlb=1`` they fault in 2 MiB at a time."""
