@@ -13,11 +13,12 @@ The thresholds act on the main arena only. A thread that finds the main arena bu
 its own, made of heaps of at most 64 MiB, and a larger block there is mmapped whatever the threshold:
 XLA runs programs on its own threads, so the single temporary buffer of a jitted update (614 MiB on
 the default tiny policy's B32 x T384 batch) was mapped and faulted in, 4 KiB at a time, on every call
-(160,000 to 230,000 faults a call, a third or more of its time). Putting every thread on the main arena
+(about 228,000 faults a call, ``scripts/bench_host.py``). Putting every thread on the main arena
 (``MALLOC_ARENA_MAX=1``) removed the faults but made the default run slower (its threads then wait
 on the one arena's lock: README, "Host allocator"). What works is glibc's tunable
 ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later): glibc then asks for transparent huge pages on the
-memory it maps, so such a buffer is faulted in 2 MiB at a time (under 1,000 faults a call). glibc reads tunables when the process starts, from ``GLIBC_TUNABLES``, so the entry points
+memory it maps, so such a buffer is faulted in 2 MiB at a time (under 1,000 faults a call). glibc
+reads tunables when the process starts, from ``GLIBC_TUNABLES``, so the entry points
 (``experiments/run.py``, ``experiments/evaluate.py``, the benchmarks that time programs) call
 ``reexec_with_tunables()`` first: it restarts the process once, with the tunable added. A library
 user sets ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment instead.
@@ -88,8 +89,8 @@ def reexec_with_tunables() -> None:
     the restart runs the same command line (``sys.orig_argv``) from the start."""
     if _mode() == "default" or os.environ.get(REEXEC_MARK) or hugetlb_tunable() or not huge_pages_possible():
         return
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    env = dict(os.environ, GLIBC_TUNABLES=f"{tunables}:{HUGETLB}=1" if tunables else f"{HUGETLB}=1", **{REEXEC_MARK: "1"})
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t] + [f"{HUGETLB}=1"]
+    env = dict(os.environ, GLIBC_TUNABLES=":".join(tunables), **{REEXEC_MARK: "1"})
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)
@@ -100,8 +101,9 @@ def tune_allocator() -> dict:
     is not glibc, or ``mallopt`` refuses; returns (and records in ``applied``) what was set."""
     if _mode() == "default" or not _glibc():
         return applied
-    if hugetlb_tunable() not in ("", "0"):
-        applied["hugetlb"] = hugetlb_tunable()
+    hugetlb = hugetlb_tunable()
+    if hugetlb not in ("", "0"):
+        applied["hugetlb"] = hugetlb
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

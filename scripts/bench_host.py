@@ -7,8 +7,7 @@ The policy is set per process (``mallopt`` at import, ``GLIBC_TUNABLES`` at the 
 runs in its own child process, the three alternated ``--rounds`` times: **tuned** (the thresholds and
 ``glibc.malloc.hugetlb=1``, what the entry points run with), **thresholds** (the thresholds alone:
 ``glibc.malloc.hugetlb=0``) and **default** (``MTRL_JAX_MALLOC=default``: glibc's own policy). Each
-child times,
-after a warm-up call each (medians of ``--repeats`` calls):
+child times, after a warm-up call each (medians of ``--repeats`` calls):
 
 * **decode 48 tokens**: one sampler decode call as the collector makes it (32 rows, a 512-slot
   cache, 48 tokens, the default tiny policy);
@@ -116,7 +115,8 @@ def main():
                   flush=True)
     print(f"\nmedians of {args.rounds} alternated rounds (ms); tuned = {results['tuned'][0]['policy']}, "
           f"thresholds = {results['thresholds'][0]['policy']}, default = glibc's own policy")
-    print(f"{'measure':30s} | {'tuned':>9s} | {'thresholds':>10s} | {'default':>9s} | thresholds / tuned | default / tuned")
+    print(f"{'measure':30s} | {'tuned':>9s} | {'thresholds':>10s} | {'default':>9s} | thresholds / tuned | "
+          f"default / tuned")
     for m in MEASURES + ("update page faults",):
         tuned, thresholds, default = (statistics.median(x[m] for x in results[side]) for side in SIDES)
         ratios = f"{thresholds / tuned:17.2f}x | {default / tuned:.2f}x" if m in MEASURES else ""

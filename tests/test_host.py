@@ -12,11 +12,15 @@ from mtrl_jax.host import huge_pages_possible
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _env(**values):
+    """This process's environment for a child, without the allocator settings (``values`` set them)."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("MTRL_JAX_MALLOC", "GLIBC_TUNABLES", "MTRL_JAX_REEXECUTED")}
+    return dict(env, PYTHONPATH=ROOT, **values)
+
+
 def _import(policy):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("MTRL_JAX_MALLOC", None)
-    if policy is not None:
-        env["MTRL_JAX_MALLOC"] = policy
+    env = _env() if policy is None else _env(MTRL_JAX_MALLOC=policy)
     return subprocess.run([sys.executable, "-c", "import mtrl_jax.host as h; print(sorted(h.applied.items()))"],
                           env=env, capture_output=True, text=True, check=False)
 
@@ -47,12 +51,8 @@ print("applied", sorted(h.applied))
 
 
 def _restart(**env_extra):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    for name in ("MTRL_JAX_MALLOC", "GLIBC_TUNABLES", "MTRL_JAX_REEXECUTED"):
-        env.pop(name, None)
-    env.update(env_extra)
-    done = subprocess.run([sys.executable, "-c", _RESTART, "an-argument"], env=env, capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run([sys.executable, "-c", _RESTART, "an-argument"], env=_env(**env_extra), capture_output=True,
+                          text=True, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -87,8 +87,7 @@ print(temp // 4096, statistics.median(faults[1:]))
 
 
 def _faults(hugetlb):
-    env = dict(os.environ, PYTHONPATH=ROOT, GLIBC_TUNABLES=f"glibc.malloc.hugetlb={hugetlb}", JAX_PLATFORMS="cpu")
-    env.pop("MTRL_JAX_MALLOC", None)
+    env = _env(GLIBC_TUNABLES=f"glibc.malloc.hugetlb={hugetlb}", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     done = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
