@@ -301,6 +301,35 @@ def test_a_prefix_computed_once_continues_every_row(impl):
         forward(cfg, params, tokens, mask, init_cache(cfg, 3, 32), jnp.zeros((3,), jnp.int32), prefix=init_cache(cfg, 1, P))
 
 
+def test_chunked_attention_masks_padded_keys_anywhere():
+    """``causal_attention`` (queries in chunks, each scoring only the keys up to its end) gives what a
+    dense masked softmax gives, and the same gradients, for
+    left padding and holes as well as right padding, in chunks that divide the rows or not; a query
+    that sees no key gets a finite output."""
+    from mtrl_jax.model.transformer import causal_attention
+    B, T, N, K, H = 4, 11, 4, 2, 8
+    q, k, v, ct = (jax.random.normal(jax.random.PRNGKey(i), s) for i, s in enumerate([(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]))
+    valid = jnp.asarray(np.array([[1] * T, [1] * 7 + [0] * 4, [0] * 3 + [1] * 8, [1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]], bool))
+    visible = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]  # [B, T(query), T(key)]
+    sees = np.asarray(visible.any(-1))[:, :, None, None]  # left padding: the first queries see nothing
+
+    def dense(q, k, v):
+        kk, vv = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
+        scores = jnp.einsum("btnh,bsnh->bnts", q, kk) * H ** -0.5
+        weights = jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bnts,bsnh->btnh", jnp.nan_to_num(weights), vv)
+
+    want = dense(q, k, v)
+    want_grads = jax.grad(lambda *a: (dense(*a) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
+    for chunk in (3, 4, 11, 64):
+        got = causal_attention(q, k, v, valid, chunk)
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(np.asarray(got) * sees, np.asarray(want) * sees, rtol=1e-5, atol=1e-6)
+        grads = jax.grad(lambda *a: (causal_attention(*a, valid, chunk) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
+        for g, w in zip(grads, want_grads):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_remat_gives_the_same_gradient():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
