@@ -103,3 +103,43 @@ def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whol
     np.testing.assert_allclose(np.asarray(logp2) * att, np.asarray(logp1) * att, atol=2e-5)
     np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4), g1, g2)
+
+
+def test_log_probs_at_given_columns_are_those_of_every_column():
+    """``positions`` (the warm-up's loss columns) gives the log-probs, entropies and gradients of the
+    same columns computed at every column, with and without a shared prefix; column 0 (no context)
+    is 0 as in the whole-row output."""
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
+
+    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, qk_norm=True, tie_word_embeddings=True, attention_chunk=8)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    B, T = 3, 14
+    tokens = jnp.asarray(rng.integers(0, 61, (B, T)).astype(np.int32))
+    att = jnp.asarray((np.arange(T)[None] < np.array([T, 9, 5])[:, None]).astype(np.int32))
+    positions = jnp.asarray(np.array([[0, 3, 4, 13], [2, 5, 8, 0], [1, 2, 3, 4]], np.int32))
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, positions.shape).astype(np.float32))
+    prefix = jnp.asarray(rng.integers(0, 61, 5).astype(np.int32))
+    paths = {"rows": lambda p, **kw: sequence_logprobs(cfg, p, tokens, att, chunk_size=4, **kw),
+             "shared prefix": lambda p, **kw: shared_prefix_logprobs(cfg, p, prefix, tokens, att, chunk_size=4, **kw)}
+    for name, path in paths.items():
+        def every(p):
+            logp, entropy = path(p)
+            at = lambda x: jnp.take_along_axis(x, positions, axis=1)  # noqa: E731
+            return ((at(logp) + 0.1 * at(entropy)) * weights).sum(), (at(logp), at(entropy))
+
+        def given(p):
+            logp, entropy = path(p, positions=positions)
+            return ((logp + 0.1 * entropy) * weights).sum(), (logp, entropy)
+
+        (v1, (logp1, ent1)), g1 = jax.value_and_grad(every, has_aux=True)(params)
+        (v2, (logp2, ent2)), g2 = jax.value_and_grad(given, has_aux=True)(params)
+        assert logp2.shape == positions.shape, name
+        np.testing.assert_allclose(np.asarray(logp2), np.asarray(logp1), atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(np.asarray(ent2), np.asarray(ent1), atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5, err_msg=name)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4), g1, g2)
+        if name == "rows":
+            assert float(logp2[0, 0]) == 0.0 and float(ent2[0, 0]) == 0.0
