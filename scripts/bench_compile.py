@@ -97,7 +97,7 @@ def main():
     warm_rows = step_rows(*(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False), P:] for x in whole))
     # each shape's rows as the warm-up packs them (its loss columns are as many as its rows need)
     packed = [first] + [_pack([d for d in demos if bucket(len(d[0]), 64) == g], 64) for g in groups]
-    warm_batches = [step_rows(*(x[np.arange(c.warmup.batch_size) % len(x), P:] for x in group)) for group in packed]
+    warm_batches = [step_rows(*(x[np.arange(c.warmup.batch_size) % len(x), P:] for x in rows)) for rows in packed]
     tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
 
     def update(side):
