@@ -271,19 +271,6 @@ def _pack(demos, length_multiple: int = 8):
             pad_rows([m for _, m in demos], T, np.float32))
 
 
-def loss_columns(loss_mask: np.ndarray, multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """``loss_mask [n, T]`` -> ``(positions, weights)`` ``[n, L]``: the columns of each row that carry
-    a loss, in order, and their weights (the mask's values), right-padded with column ``0`` at
-    weight 0 to ``L``, the most any row has rounded up to ``multiple``. The warm-up step computes
-    the output projection and its softmax at those columns only: on the default's demonstrations
-    the prompt and the tools' results are most of every row, and none of them is trained on."""
-    rows = [np.flatnonzero(m) for m in loss_mask]
-    L = bucket(max(len(r) for r in rows), multiple)
-    positions = pad_rows(rows, L, np.int32)
-    weights = pad_rows([m[r] for m, r in zip(loss_mask, rows)], L, np.float32)
-    return positions, weights
-
-
 @dataclasses.dataclass
 class WarmupProgress:
     """Where a supervised warm-up stands: enough to continue it exactly (``step`` of ``steps`` done)."""
@@ -310,25 +297,22 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 
 
 def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
-    """The jitted warm-up step ``(params, opt_state, tokens, attention, positions, weights) ->
-    (params, opt_state, loss)``: the weighted mean cross-entropy of the tokens at ``positions``
-    (``loss_columns`` of the loss mask). With a non-empty ``shared`` prefix the rows are what
-    follows it, and it is computed once (``shared_prefix_logprobs``).
+    """The jitted warm-up step ``(params, opt_state, tokens, attention, loss_mask) -> (params,
+    opt_state, loss)``: mean cross-entropy on the loss-mask tokens. With a non-empty ``shared``
+    prefix the rows are what follows it, and it is computed once (``shared_prefix_logprobs``).
     The optimizer state is donated; the parameters are not (the caller's may be published)."""
     P = len(shared)
 
-    def loss_fn(params, tok, att, positions, weights):
+    def loss_fn(params, tok, att, mask):
         if P:
-            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk,
-                                             positions=positions)
+            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
         else:
-            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk,
-                                        positions=positions)
-        return -(logp * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
+        return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, opt_state, tok, att, positions, weights):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, positions, weights)
+    def step(params, opt_state, tok, att, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -365,9 +349,8 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     if log and P:
         log(f"warm-up: the {P} tokens every demonstration opens with are computed once per step")
 
-    def after_prefix(packed):  # the rows without the shared prefix's columns (computed once per step), and
-        tokens, attention, loss_mask = (x[:, P:] for x in packed)  # the columns with a loss
-        return (tokens, attention) + loss_columns(loss_mask)
+    def after_prefix(packed):  # the rows without the shared prefix's columns (computed once per step)
+        return tuple(x[:, P:] for x in packed)
 
     def grouped(cut):  # demonstrations cut by cut(tokens, mask), grouped by length (multiples of full_bucket)
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
@@ -398,13 +381,13 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         view = {"full": full, "two": two_turns, "first": None}[step_view(i, full_every, two_turn_every)]
         if view is not None:
             group_of, groups = view
-            members, rows = groups[group_of[int(rng.integers(len(demos)))]]
+            members, (tokens, attention, loss_mask) = groups[group_of[int(rng.integers(len(demos)))]]
             idx = rng.choice(len(members), size=batch_size, replace=len(members) < batch_size)
         else:
-            rows = prefixes
+            tokens, attention, loss_mask = prefixes
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
-            params, opt_state, loss = step(params, opt_state, *place_batch(tuple(x[idx] for x in rows), mesh))
+            params, opt_state, loss = step(params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh))
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")

@@ -33,14 +33,14 @@ import time
 import jax
 import numpy as np
 
-from bench_warmup import step_rows, warmup_views
+from bench_warmup import warmup_views
 from configs.default import get_config
 from mtrl_jax.model.sharding import activate, place_batch
-from mtrl_jax.rl.batch import TrajectoryBatch, bucket
+from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.train_step import Updater, length_buckets
 from mtrl_jax.rollout.collector import Collector, fitted_slots
 from mtrl_jax.setup import build
-from mtrl_jax.warmup import _pack, demonstrations, warmup_optimizer, warmup_step
+from mtrl_jax.warmup import demonstrations, warmup_optimizer, warmup_step
 
 
 def timed(fn) -> tuple[float, float]:
@@ -94,10 +94,7 @@ def main():
     loss_mask = (attention * (np.arange(run.batch_length)[None] > 90)).astype(np.float32)
     batch = TrajectoryBatch(rng.integers(1, 1000, attention.shape).astype(np.int32) * attention, attention, loss_mask,
                             -2.0 * loss_mask, rng.normal(size=rows).astype(np.float32), group_size=run.group_size)
-    warm_rows = step_rows(*(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False), P:] for x in whole))
-    # each shape's rows as the warm-up packs them (its loss columns are as many as its rows need)
-    packed = [first] + [_pack([d for d in demos if bucket(len(d[0]), 64) == g], 64) for g in groups]
-    warm_batches = [step_rows(*(x[np.arange(c.warmup.batch_size) % len(x), P:] for x in rows)) for rows in packed]
+    warm_rows = tuple(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False), P:] for x in whole)
     tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
 
     def update(side):
@@ -125,10 +122,11 @@ def main():
         model_cfg = dataclasses.replace(c.model_cfg, attention_chunk=sides[side][1])
         step = warmup_step(model_cfg, tx, shared, c.updater.config.logprob_chunk)
         opt_state = tx.init(c.params)
+        blank = [tuple(np.zeros((c.warmup.batch_size, width), dtype) for dtype in (np.int32, np.int32, np.float32)) for width in shapes]
 
         def compile_():
             with activate(mesh):
-                for arrays in warm_batches:
+                for arrays in blank:
                     step.lower(c.params, opt_state, *place_batch(arrays, mesh)).compile()
 
         def run_():

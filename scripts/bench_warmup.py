@@ -44,15 +44,6 @@ from mtrl_jax.rl.batch import bucket
 from mtrl_jax.setup import build
 from mtrl_jax.warmup import _pack, _turn_end, common_prefix, demonstrations, warmup_optimizer, warmup_step
 
-try:  # the step's batch: tokens, attention, and the columns with a loss (``loss_columns``) with their weights
-    from mtrl_jax.warmup import loss_columns
-
-    def step_rows(tokens, attention, loss_mask):
-        return (tokens, attention) + loss_columns(loss_mask)
-except ImportError:  # a --baseline child may import an older mtrl_jax, whose step took the whole loss mask
-    def step_rows(tokens, attention, loss_mask):
-        return tokens, attention, loss_mask
-
 
 def warmup_views(demos):
     """What the default's warm-up trains on (``warmup.supervised_warmup``): the shared prefix, the
@@ -72,14 +63,14 @@ def schedule_shapes(demos):
     shared prefix's columns removed), the view of the demonstrations it is one of (``step_view``) and
     the share of that view's steps that draw it (a length group as often as its demonstrations)."""
     P = len(common_prefix(demos))
-    shapes = {"first turns": (step_rows(*(x[:, P:] for x in _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))),
+    shapes = {"first turns": (tuple(x[:, P:] for x in _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])),
                               "first", 1.0)}
     for view, cut in (("two", lambda m: _turn_end(m, 2)), ("full", len)):
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
         lengths = [bucket(len(t), 64) for t, _ in cuts]
         for length, count in sorted(collections.Counter(lengths).items()):
             packed = _pack([d for d, g in zip(cuts, lengths) if g == length], 64)
-            shapes[f"{'two turns' if view == 'two' else 'whole'} {length}"] = (step_rows(*(x[:, P:] for x in packed)), view,
+            shapes[f"{'two turns' if view == 'two' else 'whole'} {length}"] = (tuple(x[:, P:] for x in packed), view,
                                                                                count / len(demos))
     return shapes
 
@@ -181,9 +172,9 @@ def main():
         rows = tuple(x[idx] for x in packed)
         T = rows[0].shape[1]
         sides = {"shared prefix": (warmup_step(c.model_cfg, tx, shared, c.updater.config.logprob_chunk),
-                                   step_rows(*(x[:, P:] for x in rows)), P + B * (T - P)),
+                                   tuple(x[:, P:] for x in rows), P + B * (T - P)),
                  "every row": (warmup_step(c.model_cfg, tx, np.zeros((0,), np.int32), c.updater.config.logprob_chunk),
-                               step_rows(*rows), B * T)}
+                               rows, B * T)}
         times = {side: [] for side in sides}
         losses = {}
         with activate(c.mesh):

@@ -199,10 +199,8 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
     seen = []
 
     def recording_step(model_cfg, tx, shared, logprob_chunk=512):
-        def step(params, opt_state, tokens, attention, positions, weights):
-            mask = np.zeros(np.shape(tokens))  # the loss mask back from its columns
-            for row, columns, w in zip(mask, np.asarray(positions), np.asarray(weights)):
-                row[columns[w > 0]] = 1
+        def step(params, opt_state, tokens, attention, loss_mask):
+            mask = np.asarray(loss_mask)
             seen.append(max(warmup._assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0
         return step
@@ -260,17 +258,6 @@ def test_a_stopped_warmup_continues_exactly():
     resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
     assert resumed.step == 12 and resumed.losses == done.losses
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, done.params)
-
-
-def test_loss_columns_are_the_trained_columns_with_their_weights():
-    from mtrl_jax.warmup import loss_columns
-
-    mask = np.array([[0, 1, 1, 0, 0.5, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0]], np.float32)
-    positions, weights = loss_columns(mask, multiple=4)
-    assert positions.dtype == np.int32 and positions.shape == weights.shape == (3, 4)
-    np.testing.assert_array_equal(positions, [[1, 2, 4, 0], [5, 0, 0, 0], [0, 0, 0, 0]])
-    np.testing.assert_array_equal(weights, [[1, 1, 0.5, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    assert loss_columns(np.ones((2, 9)), multiple=4)[0].shape == (2, 12)
 
 
 def test_common_prefix_stops_before_the_first_trained_token_and_leaves_a_token():

@@ -92,36 +92,20 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     return unchunk(logp), unchunk(entropy)
 
 
-def _at(x, positions):
-    """``x [B, T]`` (integers) or ``[B, T, D]`` (states) at the columns ``positions [B, L]`` of each row.
-    States go through a one-hot ``[B, L, T]`` product, not a gather: the gather's gradient is a
-    scatter, which XLA's CPU backend runs an element at a time."""
-    if x.ndim == 2:
-        return jnp.take_along_axis(x, positions, axis=1)
-    pick = (positions[..., None] == jnp.arange(x.shape[1])).astype(x.dtype)
-    return jnp.einsum("blt,btd->bld", pick, x)
-
-
-def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512,
-                      positions=None):
+def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512):
     """Teacher-forced ``log p(tokens[:, t] | tokens[:, :t])`` and entropy, ``[B, T]`` float32.
 
     Column 0 (no context) is 0. This is the training path the sampler's ``behav_logp`` is
-    checked against. ``positions [B, L]`` (columns of each row): those columns only, ``[B, L]``;
-    the output projection and its softmax run on ``L`` positions per row instead of ``T`` (a
-    supervised loss needs the assistant's tokens, not the prompt's or the tools')."""
+    checked against.
+    """
     hidden, _ = forward(cfg, params, tokens, attention_mask)
-    if positions is not None:  # column t is predicted at position t - 1; column 0 is 0, as below
-        logp, entropy = token_logprobs(_at(hidden, jnp.maximum(positions - 1, 0)), head_kernel(cfg, params),
-                                       _at(tokens, positions), temperature, chunk_size)
-        return jnp.where(positions > 0, logp, 0.0), jnp.where(positions > 0, entropy, 0.0)
     logp, entropy = token_logprobs(hidden[:, :-1], head_kernel(cfg, params), tokens[:, 1:], temperature, chunk_size)
     zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
 
 
 def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_mask, temperature=1.0,
-                           chunk_size: int = 512, positions=None):
+                           chunk_size: int = 512):
     """``sequence_logprobs`` of rows that all begin with the same ``prefix [P]``, given only what
     follows it, ``tokens [B, S]`` (right-padded, ``attention_mask [B, S]``): ``(logp, entropy)``
     ``[B, S]`` of those tokens, the first predicted from the prefix's last position. Equal, values
@@ -129,14 +113,11 @@ def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_m
     prefix (a system prompt every demonstration opens with) is computed once instead of once per
     row: its keys and values, computed as a one-row cache, are what every row's continuation attends
     to before its own (``causal_attention``'s ``prefix``: causal in chunks like any training
-    forward; the backward pass sums the rows' gradients through them). ``positions [B, L]``: only
-    those columns of ``tokens``, as in ``sequence_logprobs``."""
+    forward; the backward pass sums the rows' gradients through them)."""
     P = prefix.shape[0]
     B = tokens.shape[0]
     hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
     hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
     last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
-    hidden = jnp.concatenate([last, hidden[:, :-1]], axis=1)  # column t is predicted here
-    if positions is not None:
-        hidden, tokens = _at(hidden, positions), _at(tokens, positions)
-    return token_logprobs(hidden, head_kernel(cfg, params), tokens, temperature, chunk_size)
+    return token_logprobs(jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens,
+                          temperature, chunk_size)
