@@ -13,7 +13,7 @@ import pytest
 from mtrl_jax.model import (ModelConfig, abstract_params, compute_logits, forward, hf_io, init_params,
                             load_hf_checkpoint, save_hf_checkpoint)
 from mtrl_jax.model import sharding
-from mtrl_jax.model.transformer import init_cache, unstack_layers
+from mtrl_jax.model.transformer import causal_attention, init_cache, unstack_layers
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 DECODERS = ["qwen2", "qwen3_tied", "qwen3_untied", "llama"]
@@ -303,10 +303,8 @@ def test_a_prefix_computed_once_continues_every_row(impl):
 
 def test_chunked_attention_masks_padded_keys_anywhere():
     """``causal_attention`` (queries in chunks, each scoring only the keys up to its end) gives what a
-    dense masked softmax gives, and the same gradients, for
-    left padding and holes as well as right padding, in chunks that divide the rows or not; a query
-    that sees no key gets a finite output."""
-    from mtrl_jax.model.transformer import causal_attention
+    dense masked softmax gives, and the same gradients, for left padding and holes as well as right
+    padding, in chunks that divide the rows or not; a query that sees no key gets a finite output."""
     B, T, N, K, H = 4, 11, 4, 2, 8
     q, k, v, ct = (jax.random.normal(jax.random.PRNGKey(i), s) for i, s in enumerate([(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]))
     valid = jnp.asarray(np.array([[1] * T, [1] * 7 + [0] * 4, [0] * 3 + [1] * 8, [1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]], bool))
