@@ -292,10 +292,11 @@ def test_a_prefix_computed_once_continues_every_row(impl):
             return forward(cfg, p, tokens[:, P:], mask[:, P:], prefix=cache)[0]
 
         real = np.asarray(mask[:, P:])[..., None]
-        for p in (params, unstack_layers(params)):
-            np.testing.assert_allclose(np.asarray(continued(p)) * real, np.asarray(whole(p)) * real, rtol=1e-5, atol=1e-5)
+        for p in (params, unstack_layers(params)):  # jitted: op by op, these calls took most of the test's time
+            np.testing.assert_allclose(np.asarray(jax.jit(continued)(p)) * real, np.asarray(jax.jit(whole)(p)) * real,
+                                       rtol=1e-5, atol=1e-5)
         weights = jax.random.normal(jax.random.PRNGKey(2), (3, T, cfg.hidden_size)) * real
-        got, want = (jax.grad(lambda p, f=f: (f(p) * weights).sum())(params) for f in (continued, whole))
+        got, want = (jax.jit(jax.grad(lambda p, f=f: (f(p) * weights).sum()))(params) for f in (continued, whole))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
     with pytest.raises(ValueError, match="prefix is for the cache-free"):
         forward(cfg, params, tokens, mask, init_cache(cfg, 3, 32), jnp.zeros((3,), jnp.int32), prefix=init_cache(cfg, 1, P))
@@ -319,11 +320,14 @@ def test_chunked_attention_masks_padded_keys_anywhere():
 
     want = dense(q, k, v)
     want_grads = jax.grad(lambda *a: (dense(*a) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
-    for chunk in (3, 4, 11, 64):
-        got = causal_attention(q, k, v, valid, chunk)
+    for chunk in (3, 4, 11, 64):  # one jitted program per chunk size (op by op, the gradients took most of this test)
+        def attention_and_grads(q, k, v, chunk=chunk):
+            got = causal_attention(q, k, v, valid, chunk)
+            return got, jax.grad(lambda *a: (causal_attention(*a, valid, chunk) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
+
+        got, grads = jax.jit(attention_and_grads)(q, k, v)
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(np.asarray(got) * sees, np.asarray(want) * sees, rtol=1e-5, atol=1e-6)
-        grads = jax.grad(lambda *a: (causal_attention(*a, valid, chunk) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
         for g, w in zip(grads, want_grads):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
