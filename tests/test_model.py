@@ -284,17 +284,18 @@ def test_a_prefix_computed_once_continues_every_row(impl):
     for cfg in (_tiny(2, attention_impl=impl, attention_chunk=4), _tiny(2, attention_impl=impl, attention_chunk=64)):
         params = init_params(cfg, jax.random.PRNGKey(0))
 
+        @jax.jit  # op by op, these calls and their gradients took most of the test's time
         def whole(p):
             return forward(cfg, p, tokens, mask)[0][:, P:]
 
+        @jax.jit
         def continued(p):
             _, cache = forward(cfg, p, tokens[:1, :P], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
             return forward(cfg, p, tokens[:, P:], mask[:, P:], prefix=cache)[0]
 
         real = np.asarray(mask[:, P:])[..., None]
-        for p in (params, unstack_layers(params)):  # jitted: op by op, these calls took most of the test's time
-            np.testing.assert_allclose(np.asarray(jax.jit(continued)(p)) * real, np.asarray(jax.jit(whole)(p)) * real,
-                                       rtol=1e-5, atol=1e-5)
+        for p in (params, unstack_layers(params)):
+            np.testing.assert_allclose(np.asarray(continued(p)) * real, np.asarray(whole(p)) * real, rtol=1e-5, atol=1e-5)
         weights = jax.random.normal(jax.random.PRNGKey(2), (3, T, cfg.hidden_size)) * real
         got, want = (jax.jit(jax.grad(lambda p, f=f: (f(p) * weights).sum()))(params) for f in (continued, whole))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
@@ -321,11 +322,12 @@ def test_chunked_attention_masks_padded_keys_anywhere():
     want = dense(q, k, v)
     want_grads = jax.grad(lambda *a: (dense(*a) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
     for chunk in (3, 4, 11, 64):  # one jitted program per chunk size (op by op, the gradients took most of this test)
-        def attention_and_grads(q, k, v, chunk=chunk):
-            got = causal_attention(q, k, v, valid, chunk)
-            return got, jax.grad(lambda *a: (causal_attention(*a, valid, chunk) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
+        @jax.jit
+        def attention_and_grads(q, k, v, chunk=chunk):  # the gradient of (out * ct * sees).sum(): one forward pass
+            got, pull = jax.vjp(lambda *a: causal_attention(*a, valid, chunk), q, k, v)
+            return got, pull(ct * sees)
 
-        got, grads = jax.jit(attention_and_grads)(q, k, v)
+        got, grads = attention_and_grads(q, k, v)
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(np.asarray(got) * sees, np.asarray(want) * sees, rtol=1e-5, atol=1e-6)
         for g, w in zip(grads, want_grads):
