@@ -33,8 +33,7 @@ from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
-from mtrl_jax.model.transformer import forward, head_kernel
-from mtrl_jax.rl.logprobs import logprobs_at, shared_prefix_hidden
+from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 
 
@@ -272,33 +271,6 @@ def _pack(demos, length_multiple: int = 8):
             pad_rows([m for _, m in demos], T, np.float32))
 
 
-def loss_positions(loss_mask: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
-    """``loss_mask [N, S]`` -> ``(positions [N, M] int32, weights [N, M] float32)``: each row's
-    columns with a non-zero mask, in order, and their mask values, padded with column 0 at weight 0."""
-    counts = (loss_mask != 0).sum(axis=1)
-    if counts.max(initial=0) > M:
-        raise ValueError(f"a row has {counts.max()} columns with a loss, more than the {M} positions asked for")
-    positions, weights = np.zeros((len(loss_mask), M), np.int32), np.zeros((len(loss_mask), M), np.float32)
-    for i, row in enumerate(loss_mask):
-        cols = np.flatnonzero(row)
-        positions[i, :len(cols)], weights[i, :len(cols)] = cols, row[cols]
-    return positions, weights
-
-
-def step_rows(views: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], shared: int, multiple: int = 8) -> list:
-    """Packed ``(tokens, attention, loss_mask)`` views of the demonstrations -> what ``warmup_step``
-    takes: ``(tokens, attention, positions, weights)`` after the ``shared`` prefix's columns (computed
-    once per step), the loss as ``loss_positions``. Views of one width get one number of positions,
-    the most any of their rows has, rounded up to a multiple of ``multiple``: one compiled step per
-    width, as with the whole loss mask."""
-    after = [tuple(x[:, shared:] for x in view) for view in views]
-    most = {}
-    for _, _, mask in after:
-        most[mask.shape[1]] = max(most.get(mask.shape[1], 0), int((mask != 0).sum(axis=1).max(initial=0)))
-    return [(tokens, attention) + loss_positions(mask, min(mask.shape[1], bucket(most[mask.shape[1]], multiple)))
-            for tokens, attention, mask in after]
-
-
 @dataclasses.dataclass
 class WarmupProgress:
     """Where a supervised warm-up stands: enough to continue it exactly (``step`` of ``steps`` done)."""
@@ -325,27 +297,22 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 
 
 def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
-    """The jitted warm-up step ``(params, opt_state, tokens, attention, positions, weights) ->
-    (params, opt_state, loss)``: the weighted mean cross-entropy of the tokens at ``positions``
-    (``loss_positions`` of the loss mask). Only those columns go through the output projection and
-    the softmax (``logprobs_at``): the same loss as over the whole mask, for a fraction of the
-    logits' work. With a non-empty ``shared`` prefix the rows are what follows it, and it is
-    computed once (``shared_prefix_hidden``); without one, column 0 has no context and carries no
-    loss. The optimizer state is donated; the parameters are not (the caller's may be published)."""
+    """The jitted warm-up step ``(params, opt_state, tokens, attention, loss_mask) -> (params,
+    opt_state, loss)``: mean cross-entropy on the loss-mask tokens. With a non-empty ``shared``
+    prefix the rows are what follows it, and it is computed once (``shared_prefix_logprobs``).
+    The optimizer state is donated; the parameters are not (the caller's may be published)."""
     P = len(shared)
 
-    def loss_fn(params, tok, att, positions, weights):
+    def loss_fn(params, tok, att, mask):
         if P:
-            hidden = shared_prefix_hidden(model_cfg, params, jnp.asarray(shared), tok, att)
-        else:  # hidden[:, s] predicts tok[:, s + 1]: aligned, column 0 is predicted by nothing (weight 0)
-            hidden, _ = forward(model_cfg, params, tok, att)
-            hidden = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
-        logp, _ = logprobs_at(hidden, head_kernel(model_cfg, params), tok, positions, chunk_size=logprob_chunk)
-        return -(logp * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+            logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
+        else:
+            logp, _ = sequence_logprobs(model_cfg, params, tok, att, temperature=1.0, chunk_size=logprob_chunk)
+        return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, opt_state, tok, att, positions, weights):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, positions, weights)
+    def step(params, opt_state, tok, att, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -373,7 +340,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     draws a demonstration and fills its batch from the same group, so a few long tool responses
     (a large ``top_k``) do not pad every batch to their length. ``logprob_chunk``: as ``rl.logprob_chunk``.
     With ``share_prefix``, the tokens every demonstration opens with (``common_prefix``: the system
-    prompt) are computed once per step instead of once per row (``shared_prefix_hidden``: the same
+    prompt) are computed once per step instead of once per row (``shared_prefix_logprobs``: the same
     loss and gradients); on the default they are more than half of a first-turn cut.
     """
     tx = warmup_optimizer(steps, learning_rate)
@@ -382,25 +349,24 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     if log and P:
         log(f"warm-up: the {P} tokens every demonstration opens with are computed once per step")
 
-    if not P and any(m and m[0] for _, m in demos):
-        raise ValueError("a demonstration's first token carries a loss: with no shared prefix it has no context "
-                         "to be predicted from (its loss mask must start with 0)")
+    def after_prefix(packed):  # the rows without the shared prefix's columns (computed once per step)
+        return tuple(x[:, P:] for x in packed)
 
     def grouped(cut):  # demonstrations cut by cut(tokens, mask), grouped by length (multiples of full_bucket)
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
         group_of = [bucket(len(t), full_bucket) for t, _ in cuts]
-        return group_of, {length: [i for i, g in enumerate(group_of) if g == length] for length in sorted(set(group_of))}, cuts
+        groups = {}
+        for length in sorted(set(group_of)):
+            members = [i for i, g in enumerate(group_of) if g == length]
+            groups[length] = np.array(members), after_prefix(_pack([cuts[i] for i in members], full_bucket))
+        return group_of, groups
 
-    views = {"full": grouped(len)}
+    full = grouped(len)
+    prefixes = after_prefix(_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))
     # with demonstrations of more than two turns (the teacher's hops), one step in two_turn_every trains on
     # them cut after their second turn: the hop's call (copied from the first results) or the answer there
-    if two_turn_every and any(_assistant_turns(m) > 2 for _, m in demos):
-        views["two"] = grouped(lambda m: _turn_end(m, 2))
-    # every batch shape as the step takes it (step_rows): the first-turn cuts, and each view's length groups
-    packed = {("first", 0): _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])}
-    for name, (_, groups, cuts) in views.items():
-        packed.update({(name, length): _pack([cuts[i] for i in members], full_bucket) for length, members in groups.items()})
-    rows_of = dict(zip(packed, step_rows(list(packed.values()), P)))
+    two_turns = (grouped(lambda m: _turn_end(m, 2)) if two_turn_every and any(_assistant_turns(m) > 2 for _, m in demos)
+                 else None)
 
     step = warmup_step(model_cfg, tx, shared, logprob_chunk)
     rng = np.random.default_rng(seed)
@@ -412,17 +378,16 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
     for i in range(start, steps):
         if should_stop is not None and should_stop():
             return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
-        name = step_view(i, full_every, two_turn_every)
-        if name in views:
-            group_of, groups, _ = views[name]
-            length = group_of[int(rng.integers(len(demos)))]
-            rows = rows_of[name, length]
-            idx = rng.choice(len(groups[length]), size=batch_size, replace=len(groups[length]) < batch_size)
+        view = {"full": full, "two": two_turns, "first": None}[step_view(i, full_every, two_turn_every)]
+        if view is not None:
+            group_of, groups = view
+            members, (tokens, attention, loss_mask) = groups[group_of[int(rng.integers(len(demos)))]]
+            idx = rng.choice(len(members), size=batch_size, replace=len(members) < batch_size)
         else:
-            rows = rows_of["first", 0]
+            tokens, attention, loss_mask = prefixes
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
-            params, opt_state, loss = step(params, opt_state, *place_batch(tuple(x[idx] for x in rows), mesh))
+            params, opt_state, loss = step(params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh))
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")

@@ -10,9 +10,8 @@ JAX's in-memory caches cleared before each compile), side by side:
   length bucket;
 * **sampler**: the RL collector's programs (`Collector.precompile`: every extend shape, every decode
   window, prefix sharing);
-* **warm-up**: the warm-up step (`warmup.warmup_step`) at every width the default's warm-up trains on
-  (`warmup.step_rows`): the demonstrations cut after their first turn, and each length group of the
-  two-turn cuts and of whole demonstrations.
+* **warm-up**: the warm-up step (`warmup.warmup_step`) at every shape the default's warm-up trains on:
+  the demonstrations cut after their first turn, and each length group of whole demonstrations.
 
 Sides: **before**: no lengths left out (`UpdateConfig.min_length` = `CollectorConfig.min_prompt` = 0)
 and `model.attention_chunk` 128, the default until 5341253; **shortest prompt**: the lengths below
@@ -34,14 +33,14 @@ import time
 import jax
 import numpy as np
 
-from bench_warmup import schedule_shapes, warmup_views
+from bench_warmup import warmup_views
 from configs.default import get_config
 from mtrl_jax.model.sharding import activate, place_batch
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.train_step import Updater, length_buckets
 from mtrl_jax.rollout.collector import Collector, fitted_slots
 from mtrl_jax.setup import build
-from mtrl_jax.warmup import demonstrations, step_rows, warmup_optimizer, warmup_step
+from mtrl_jax.warmup import demonstrations, warmup_optimizer, warmup_step
 
 
 def timed(fn) -> tuple[float, float]:
@@ -81,12 +80,9 @@ def main():
     parts = {"update": list(sides), "sampler": ["before", "now"], "warm-up": ["before", "now"]}
 
     demos = demonstrations(c)
-    shared, _, _, whole = warmup_views(demos)
+    shared, first, groups, whole = warmup_views(demos)
     P = len(shared)
-    by_width = {}  # a batch of every width the warm-up's step takes (step_rows), one compiled program each
-    for ready, _, _ in schedule_shapes(demos).values():
-        by_width.setdefault(ready[0].shape[1], tuple(x[:c.warmup.batch_size] for x in ready))
-    shapes = sorted(by_width)
+    shapes = [first[0].shape[1] - P] + [g - P for g in groups]
     print(f"default: shortest prompt {shortest} tokens (setup.shortest_prompt), attention_chunk {chunk}; update "
           f"{rows} x {run.batch_length}, length_bucket {c.updater.config.length_bucket}; sampler "
           f"{fitted_slots(c.collector, rows).slots} slots x {c.collector.max_len}; warm-up {c.warmup.batch_size} rows x "
@@ -98,7 +94,7 @@ def main():
     loss_mask = (attention * (np.arange(run.batch_length)[None] > 90)).astype(np.float32)
     batch = TrajectoryBatch(rng.integers(1, 1000, attention.shape).astype(np.int32) * attention, attention, loss_mask,
                             -2.0 * loss_mask, rng.normal(size=rows).astype(np.float32), group_size=run.group_size)
-    warm_rows = step_rows([tuple(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False)] for x in whole)], P)[0]
+    warm_rows = tuple(x[rng.choice(len(whole[0]), c.warmup.batch_size, replace=False), P:] for x in whole)
     tx = warmup_optimizer(c.warmup.steps, c.warmup.learning_rate)
 
     def update(side):
@@ -126,10 +122,11 @@ def main():
         model_cfg = dataclasses.replace(c.model_cfg, attention_chunk=sides[side][1])
         step = warmup_step(model_cfg, tx, shared, c.updater.config.logprob_chunk)
         opt_state = tx.init(c.params)
+        blank = [tuple(np.zeros((c.warmup.batch_size, width), dtype) for dtype in (np.int32, np.int32, np.float32)) for width in shapes]
 
         def compile_():
             with activate(mesh):
-                for arrays in by_width.values():
+                for arrays in blank:
                     step.lower(c.params, opt_state, *place_batch(arrays, mesh)).compile()
 
         def run_():

@@ -58,28 +58,21 @@ def warmup_views(demos):
     return shared, first_turns, groups, whole
 
 
-try:
-    from mtrl_jax.warmup import step_rows
-except ImportError:  # a --baseline child on a tree before step_rows: its step takes the loss mask
-    def step_rows(views, shared):
-        return [tuple(x[:, shared:] for x in view) for view in views]
-
-
 def schedule_shapes(demos):
-    """``{shape name: (rows, view, share)}``: every batch shape the default's warm-up trains on, as
-    its step takes it (``step_rows``: the shared prefix's columns removed), the view of the
-    demonstrations it is one of (``step_view``) and the share of that view's steps that draw it (a
-    length group as often as its demonstrations)."""
+    """``{shape name: (rows, view, share)}``: every batch shape the default's warm-up trains on (the
+    shared prefix's columns removed), the view of the demonstrations it is one of (``step_view``) and
+    the share of that view's steps that draw it (a length group as often as its demonstrations)."""
     P = len(common_prefix(demos))
-    shapes = {"first turns": (_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]), "first", 1.0)}
+    shapes = {"first turns": (tuple(x[:, P:] for x in _pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos])),
+                              "first", 1.0)}
     for view, cut in (("two", lambda m: _turn_end(m, 2)), ("full", len)):
         cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
         lengths = [bucket(len(t), 64) for t, _ in cuts]
         for length, count in sorted(collections.Counter(lengths).items()):
             packed = _pack([d for d, g in zip(cuts, lengths) if g == length], 64)
-            shapes[f"{'two turns' if view == 'two' else 'whole'} {length}"] = (packed, view, count / len(demos))
-    rows = step_rows([packed for packed, _, _ in shapes.values()], P)
-    return {name: (r, view, share) for (name, (_, view, share)), r in zip(shapes.items(), rows)}
+            shapes[f"{'two turns' if view == 'two' else 'whole'} {length}"] = (tuple(x[:, P:] for x in packed), view,
+                                                                               count / len(demos))
+    return shapes
 
 
 def schedule_child(steps: int, cache_dir: str) -> None:
@@ -179,9 +172,9 @@ def main():
         rows = tuple(x[idx] for x in packed)
         T = rows[0].shape[1]
         sides = {"shared prefix": (warmup_step(c.model_cfg, tx, shared, c.updater.config.logprob_chunk),
-                                   step_rows([rows], P)[0], P + B * (T - P)),
+                                   tuple(x[:, P:] for x in rows), P + B * (T - P)),
                  "every row": (warmup_step(c.model_cfg, tx, np.zeros((0,), np.int32), c.updater.config.logprob_chunk),
-                               step_rows([rows], 0)[0], B * T)}
+                               rows, B * T)}
         times = {side: [] for side in sides}
         losses = {}
         with activate(c.mesh):

@@ -199,10 +199,8 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
     seen = []
 
     def recording_step(model_cfg, tx, shared, logprob_chunk=512):
-        def step(params, opt_state, tokens, attention, positions, weights):
-            mask = np.zeros(np.shape(tokens))  # the loss mask again, from the columns that carry a loss
-            for row, cols, w in zip(mask, np.asarray(positions), np.asarray(weights)):
-                row[cols[w > 0]] = 1
+        def step(params, opt_state, tokens, attention, loss_mask):
+            mask = np.asarray(loss_mask)
             seen.append(max(warmup._assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0
         return step
@@ -371,59 +369,3 @@ def test_warmup_schedule_fields_are_checked():
     config.warmup.full_every, config.warmup.two_turn_every = 8, -1
     with pytest.raises(ValueError, match=r"warmup.two_turn_every must be >= 0 \(0: never\), got -1"):
         _warmup_settings(config)
-
-
-@pytest.mark.parametrize("shared", [0, 5])
-def test_the_warmup_step_is_the_masked_cross_entropy_of_whole_rows(shared):
-    """``warmup_step`` computes the logits only at the columns that carry a loss (``step_rows``):
-    its loss and its update equal those of the mean cross-entropy over the whole loss mask
-    (``sequence_logprobs`` of the whole rows), with the shared prefix computed once or not."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from mtrl_jax.model import ModelConfig, init_params
-    from mtrl_jax.rl.logprobs import sequence_logprobs
-    from mtrl_jax.warmup import _pack, step_rows, warmup_step
-
-    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, tie_word_embeddings=False, attention_chunk=8)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    prefix = list(rng.integers(0, 61, 5))
-    demos = []
-    for n in (9, 14, 6, 17):  # rows of different lengths, each with a loss on a few scattered columns
-        mask = (rng.random(n) < 0.4).astype(float) * rng.uniform(0.5, 1.5, n)
-        mask[0] = 1.0  # the first token after the prefix: predicted from the prefix's last position
-        demos.append((prefix + list(rng.integers(0, 61, n)), [0.0] * 5 + list(mask)))
-    tokens, attention, loss_mask = _pack(demos)
-    (rows,) = step_rows([(tokens, attention, loss_mask)], shared)
-    assert rows[2].shape[1] < tokens.shape[1] - shared  # fewer columns through the head than the rows hold
-
-    def whole_loss(p):
-        logp, _ = sequence_logprobs(cfg, p, tokens, attention)
-        return -(logp * loss_mask).sum() / loss_mask.sum()
-
-    tx = optax.sgd(1.0)
-    expected_loss, grads = jax.jit(jax.value_and_grad(whole_loss))(params)
-    expected = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
-    step = warmup_step(cfg, tx, np.asarray(prefix[:shared], np.int32), logprob_chunk=16)  # several chunks
-    new_params, _, loss = step(params, tx.init(params), *map(jnp.asarray, rows))
-    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), new_params, expected)
-
-
-def test_step_rows_give_one_number_of_loss_positions_per_width():
-    from mtrl_jax.warmup import loss_positions, step_rows
-
-    a = (np.ones((2, 10), np.int32), np.ones((2, 10), np.int32), np.array([[0, 0, 1, 1, 0, 0, 0, 0, 0, 0], [0] * 9 + [0.5]]))
-    b = (np.ones((1, 10), np.int32), np.ones((1, 10), np.int32), np.array([[0, 1, 1, 1, 1, 0, 1, 0, 0, 0.0]]))
-    c = (np.ones((1, 20), np.int32), np.ones((1, 20), np.int32), np.array([[0] * 19 + [1.0]]))
-    ra, rb, rc = step_rows([a, b, c], shared=1, multiple=2)
-    assert ra[0].shape == (2, 9) and ra[2].shape == (2, 6) and rb[2].shape == (1, 6) and rc[2].shape == (1, 2)
-    np.testing.assert_array_equal(ra[2], [[1, 2, 0, 0, 0, 0], [8, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(ra[3], [[1, 1, 0, 0, 0, 0], [0.5, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(rb[2], [[0, 1, 2, 3, 5, 0]])
-    np.testing.assert_array_equal(rc[2:], [[[18, 0]], [[1, 0]]])
-    with pytest.raises(ValueError, match="3 columns with a loss, more than the 2"):
-        loss_positions(np.array([[1, 1, 1, 0.0]]), 2)

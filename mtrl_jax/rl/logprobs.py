@@ -104,39 +104,20 @@ def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperat
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
 
 
-def shared_prefix_hidden(cfg: ModelConfig, params, prefix, tokens, attention_mask):
-    """The hidden states that predict each of ``tokens [B, S]`` (right-padded, ``attention_mask
-    [B, S]``), rows that all follow the same ``prefix [P]``: ``[B, S, D]``, column 0 the prefix's
-    last position. The prefix (a system prompt every demonstration opens with) is computed once
-    instead of once per row: its keys and values, computed as a one-row cache, are what every row's
-    continuation attends to before its own (``causal_attention``'s ``prefix``: causal in chunks like
-    any training forward; the backward pass sums the rows' gradients through them)."""
-    P = prefix.shape[0]
-    B = tokens.shape[0]
-    hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
-    hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
-    last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
-    return jnp.concatenate([last, hidden[:, :-1]], axis=1)
-
-
 def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_mask, temperature=1.0,
                            chunk_size: int = 512):
     """``sequence_logprobs`` of rows that all begin with the same ``prefix [P]``, given only what
     follows it, ``tokens [B, S]`` (right-padded, ``attention_mask [B, S]``): ``(logp, entropy)``
     ``[B, S]`` of those tokens, the first predicted from the prefix's last position. Equal, values
-    and gradients, to ``sequence_logprobs`` of ``prefix + row`` at columns ``P`` onwards, with the
-    prefix computed once (``shared_prefix_hidden``)."""
-    hidden = shared_prefix_hidden(cfg, params, prefix, tokens, attention_mask)
-    return token_logprobs(hidden, head_kernel(cfg, params), tokens, temperature, chunk_size)
-
-
-def logprobs_at(hidden, head, tokens, positions, temperature=1.0, chunk_size: int = 512):
-    """``(logp, entropy) [B, M]`` of ``tokens [B, S]`` at columns ``positions [B, M]`` only, from
-    ``hidden [B, S, D]`` aligned to the tokens (``hidden[:, s]`` predicts ``tokens[:, s]``, as
-    ``shared_prefix_hidden`` returns). Only those ``B x M`` rows go through the output projection
-    and the softmax: where few columns carry a loss (the warm-up's assistant tokens, a fifth to a
-    half of a demonstration) that is most of the ``[B, S, V]`` logits' work left out. ``chunk_size``:
-    as ``token_logprobs``, over the ``B x M`` picked rows."""
-    chex.assert_rank(positions, 2)
-    picked = jnp.take_along_axis(hidden, positions[..., None], axis=1)
-    return token_logprobs(picked, head, jnp.take_along_axis(tokens, positions, axis=1), temperature, chunk_size)
+    and gradients, to ``sequence_logprobs`` of ``prefix + row`` at columns ``P`` onwards, but the
+    prefix (a system prompt every demonstration opens with) is computed once instead of once per
+    row: its keys and values, computed as a one-row cache, are what every row's continuation attends
+    to before its own (``causal_attention``'s ``prefix``: causal in chunks like any training
+    forward; the backward pass sums the rows' gradients through them)."""
+    P = prefix.shape[0]
+    B = tokens.shape[0]
+    hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
+    hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
+    last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
+    return token_logprobs(jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens,
+                          temperature, chunk_size)
