@@ -23,6 +23,11 @@ milliseconds on both sides and the expected seconds of the ``warmup.steps`` step
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py), as in a run
+    from mtrl_jax.host import reexec_with_tunables
+
+    reexec_with_tunables()
+
 import argparse
 import collections
 import json
