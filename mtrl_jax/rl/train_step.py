@@ -330,9 +330,8 @@ class Updater:
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``).
         ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
-        inside_prompt = np.asarray(batch.loss_mask)[:, :self.config.min_length].any(axis=1)
-        if inside_prompt.any():
-            rows = np.flatnonzero(inside_prompt)
+        if self.config.min_length and np.any(np.asarray(batch.loss_mask)[:, :self.config.min_length]):
+            rows = np.flatnonzero(np.asarray(batch.loss_mask)[:, :self.config.min_length].any(axis=1))
             raise ValueError(f"batch rows {rows.tolist()} train a token before column UpdateConfig.min_length = "
                              f"{self.config.min_length} (the shortest prompt setup measured), whose log-probs the "
                              f"update does not compute")
