@@ -14,15 +14,10 @@ layers, hidden 512, vocabulary 32k, B8 x T512) one optimizer step on a batch of 
   ``Qwen3ForCausalLM`` (torch, float32, its default SDPA attention): forward, log-softmax gather,
   the same PPO loss (asymmetric and dual clip, token mean), backward, gradient clipping, AdamW.
 
-The batch's first quarter is its prompt (no trained token): both sides compute the logits of the
-positions after it only, the project as its trainer does (``UpdateConfig.min_length``, the shortest
-prompt), HF with ``logits_to_keep``.
-
 The two alternate, ``--repeats`` times, after a warm-up call each; the script prints the median
 tokens/s of each, the ratio, and each side's share of the float32 matmul peak measured in the same
 run (the faster of a 2048^3 ``jnp.dot`` and ``torch.mm``), with the model's FLOPs counted as
-``6 x (layers' matmul parameters) x tokens + 6 x (LM head parameters) x (tokens after the prompt)
-+ 6 x layers x heads x head_dim x T^2 x B`` (causal attention, forward and backward).
+``6 x (matmul parameters) x tokens + 6 x layers x heads x head_dim x T^2 x B`` (causal attention, forward and backward).
 Without torch/transformers the HF side is skipped with a message and only mtrl-jax is measured.
 
 ``--components`` then times where the two differ, forward and backward of each part on its own at
@@ -74,9 +69,8 @@ CLIP_LOW, CLIP_HIGH, CLIP_DUAL, LR = 0.2, 0.28, 3.0, 1e-5
 def model_flops(cfg: ModelConfig, B: int, T: int) -> float:
     D, N, K, H, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-    head_positions = T - T // 4  # the LM head after the prompt quarter only (both sides)
-    return (6.0 * cfg.num_layers * per_layer * B * T + 6.0 * D * cfg.vocab_size * B * head_positions
-            + 6.0 * cfg.num_layers * N * H * T * T * B)
+    matmul_params = cfg.num_layers * per_layer + D * cfg.vocab_size
+    return 6.0 * matmul_params * B * T + 6.0 * cfg.num_layers * N * H * T * T * B
 
 
 def make_batch(cfg: ModelConfig, B: int, T: int, seed: int = 0) -> TrajectoryBatch:
@@ -116,7 +110,7 @@ def project_side(cfg: ModelConfig, batch: TrajectoryBatch):
                               advantage="grpo", old_logp="behaviour", mini_batches=1, micro_batches=1,
                               logprob_chunk=batch.tokens.size,  # one chunk: the logits are held, not recomputed
                               length_bucket=batch.tokens.shape[1],
-                              min_length=batch.tokens.shape[1] // 4)  # the prompt quarter (make_batch): no log-probs before it
+                              min_length=batch.tokens.shape[1] // 4)  # the prompt quarter (make_batch), as setup measures it
     tx = make_optimizer(LR, 100, grad_clip=1.0)
     updater = Updater(cfg, update_cfg, tx)
     params = init_params(cfg, jax.random.PRNGKey(0))
@@ -136,19 +130,15 @@ def hf_side(cfg: ModelConfig, params, batch: TrajectoryBatch, torch, transformer
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    # the log-probs of the tokens after the prompt quarter only, as the project's update computes them
-    # (UpdateConfig.min_length): HF's logits_to_keep keeps the last T - P + 1 positions' logits
-    P = batch.tokens.shape[1] // 4
-    assert not batch.loss_mask[:, :P].any()
     tokens = torch.from_numpy(batch.tokens.astype(np.int64))
-    mask = torch.from_numpy(batch.loss_mask[:, P:])
-    old = torch.from_numpy(batch.behav_logp[:, P:])
+    mask = torch.from_numpy(batch.loss_mask[:, 1:])
+    old = torch.from_numpy(batch.behav_logp[:, 1:])
     rewards = torch.from_numpy(batch.reward).view(-1, batch.group_size)
     adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1, 1)
 
     def step():
-        logits = model(input_ids=tokens, logits_to_keep=tokens.shape[1] - P + 1).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, P:, None]).squeeze(-1)
+        logits = model(input_ids=tokens).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
         ratio = torch.exp(logp - old)
         surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
         surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * CLIP_DUAL), surrogate)

@@ -137,14 +137,10 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
 
 
 @pytest.mark.slow
-def test_the_shortest_prompt_leaves_out_lengths_and_logits_no_row_needs():
-    """``min_length`` 6 (every row holds 6..10 tokens, the first 6 its prompt): the 4-column branch is
-    left out and the prompt's columns never reach the output projection. The same update, to float
-    rounding (the head's products run on fewer rows)."""
+def test_leaving_out_the_lengths_no_row_has_changes_nothing():
+    """``min_length`` 6 (every row holds 6..10 tokens) leaves out the 4-column branch: the same
+    micro-batches take the same branches, so the update is the same to the last bit."""
     batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
-    prompt = np.arange(batch.tokens.shape[1])[None] < 6
-    batch = batch.replace(loss_mask=np.where(prompt, 0.0, batch.loss_mask).astype(np.float32),
-                          behav_logp=np.where(prompt, 0.0, batch.behav_logp).astype(np.float32))
     params = init_params(CFG, jax.random.PRNGKey(1))
     results = []
     for shortest in (0, 6):
@@ -153,40 +149,9 @@ def test_the_shortest_prompt_leaves_out_lengths_and_logits_no_row_needs():
         updater = Updater(CFG, cfg, optax.adam(0.1))
         results.append(updater.update(updater.init_state(params, jax.random.PRNGKey(9)), batch, params))
     (a, metrics_a), (b, metrics_b) = results
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6), a.params, b.params)
-    for name in ("loss", "kl", "entropy", "grad_norm"):
-        np.testing.assert_allclose(float(metrics_a[name]), float(metrics_b[name]), rtol=1e-5, err_msg=name)
-    assert float(metrics_a["real_token_fraction"]) == float(metrics_b["real_token_fraction"])  # the same branches
-
-
-def test_an_update_refuses_a_trained_token_inside_the_shortest_prompt():
-    batch = _batch([1.0, 0.0, 0.2, 0.9])  # trained tokens from column 3 on
-    cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo"), length_bucket=4, min_length=5)
-    updater = Updater(CFG, cfg, optax.sgd(0.1))
-    state = updater.init_state(init_params(CFG, jax.random.PRNGKey(1)), jax.random.PRNGKey(9))
-    with pytest.raises(ValueError, match=r"batch rows \[0, 1, 2, 3\] train a token before column UpdateConfig.min_length = 5"):
-        updater.update(state, batch)
-
-
-def test_log_probs_from_a_start_column_are_those_of_the_whole_row():
-    """``sequence_logprobs(start=s)``: the columns from ``s`` on as computed over every column (values
-    and the gradient of a loss on them, to rounding), 0 before ``s``."""
-    params = init_params(CFG, jax.random.PRNGKey(1))
-    batch = _batch([0.0] * 4)
-    weights = jnp.asarray(np.where(np.arange(10)[None] >= 4, batch.attention_mask, 0).astype(np.float32))
-
-    def loss(p, start):
-        logp, entropy = sequence_logprobs(CFG, p, batch.tokens, batch.attention_mask, chunk_size=7, start=start)
-        return ((logp + 0.1 * entropy) * weights).sum(), (logp, entropy)
-
-    (v1, (logp1, ent1)), g1 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, 1)
-    (v4, (logp4, ent4)), g4 = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, 4)
-    np.testing.assert_array_equal(np.asarray(logp4)[:, :4], 0.0)
-    np.testing.assert_array_equal(np.asarray(ent4)[:, :4], 0.0)
-    np.testing.assert_allclose(np.asarray(logp4)[:, 4:], np.asarray(logp1)[:, 4:], atol=1e-6)
-    np.testing.assert_allclose(np.asarray(ent4)[:, 4:], np.asarray(ent1)[:, 4:], atol=1e-6)
-    np.testing.assert_allclose(float(v4), float(v1), rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), g1, g4)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params, b.params)
+    for name in ("loss", "real_token_fraction", "grad_norm"):
+        assert float(metrics_a[name]) == float(metrics_b[name]), name
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
