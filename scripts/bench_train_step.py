@@ -109,8 +109,7 @@ def project_side(cfg: ModelConfig, batch: TrajectoryBatch):
                                                                                     ("clip_low", CLIP_LOW))),
                               advantage="grpo", old_logp="behaviour", mini_batches=1, micro_batches=1,
                               logprob_chunk=batch.tokens.size,  # one chunk: the logits are held, not recomputed
-                              length_bucket=batch.tokens.shape[1],
-                              min_length=batch.tokens.shape[1] // 4)  # the prompt quarter (make_batch), as setup measures it
+                              length_bucket=batch.tokens.shape[1])
     tx = make_optimizer(LR, 100, grad_clip=1.0)
     updater = Updater(cfg, update_cfg, tx)
     params = init_params(cfg, jax.random.PRNGKey(0))

@@ -92,22 +92,15 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     return unchunk(logp), unchunk(entropy)
 
 
-def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512,
-                      start: int = 1):
+def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperature=1.0, chunk_size: int = 512):
     """Teacher-forced ``log p(tokens[:, t] | tokens[:, :t])`` and entropy, ``[B, T]`` float32.
 
     Column 0 (no context) is 0. This is the training path the sampler's ``behav_logp`` is
-    checked against. ``start``: the first column computed; the ones before it are 0 and their
-    positions never reach the output projection. The update passes the shortest prompt's length
-    (``UpdateConfig.min_length``: no row has a trained token before it), so the prompt's columns of
-    the ``[B, T, V]`` logits, the largest array of the update, are never computed.
+    checked against.
     """
-    T = tokens.shape[1]
-    start = min(max(start, 1), T - 1) if T > 1 else 1
     hidden, _ = forward(cfg, params, tokens, attention_mask)
-    logp, entropy = token_logprobs(hidden[:, start - 1:-1], head_kernel(cfg, params), tokens[:, start:], temperature,
-                                   chunk_size)
-    zeros = jnp.zeros((tokens.shape[0], start), jnp.float32)
+    logp, entropy = token_logprobs(hidden[:, :-1], head_kernel(cfg, params), tokens[:, 1:], temperature, chunk_size)
+    zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
 
 

@@ -183,10 +183,7 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
     T = batch.tokens.shape[1]
     buckets = length_buckets(T, cfg.length_bucket, shortest=cfg.min_length)
     rows_per_micro = B // cfg.rows_per_micro_batch_divisor
-    # no row has a trained token before min_length (its prompt; Updater.update checks): those columns' log-probs
-    # are not computed (0), which leaves the prompt's positions out of the output projection
-    logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                                 start=cfg.min_length)
+    logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk)
     loss_mask = batch.loss_mask.astype(jnp.float32)
     adv = advantages_lib.compute(cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options))
     scored = []  # parameter sets whose log-probs the update needs before its first step
@@ -330,11 +327,6 @@ class Updater:
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``).
         ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
-        if self.config.min_length and np.any(np.asarray(batch.loss_mask)[:, :self.config.min_length]):
-            rows = np.flatnonzero(np.asarray(batch.loss_mask)[:, :self.config.min_length].any(axis=1))
-            raise ValueError(f"batch rows {rows.tolist()} train a token before column UpdateConfig.min_length = "
-                             f"{self.config.min_length} (the shortest prompt setup measured), whose log-probs the "
-                             f"update does not compute")
         signature = self._signature(batch, ref_params)
         if (thread := self._warming.pop(signature, None)) is not None:
             thread.join()  # warm() is compiling this very program
