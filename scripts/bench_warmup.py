@@ -11,6 +11,7 @@ batches from the same parameters; the script prints the median step time of each
 tokens each computes per step, and the largest loss difference (the same loss, to float rounding).
 
     python scripts/bench_warmup.py --baseline 35ea290   # this tree against another commit
+    python scripts/bench_warmup.py --xla_flags=--xla_cpu_experimental_ynn_fusion_type=   # XLA flags against none
 
 ``--baseline REV`` instead times the warm-up's whole schedule here against ``REV``: child processes,
 alternated ``--rounds`` times, import ``mtrl_jax`` from this tree or from a git worktree of ``REV``;
@@ -19,6 +20,8 @@ length group of the two-turn cuts and of whole demonstrations: ``--steps`` steps
 first one) and weighs them as ``supervised_warmup``'s schedule draws them (``full_every``,
 ``two_turn_every``, a group as often as its demonstrations). The script prints each shape's median
 milliseconds on both sides and the expected seconds of the ``warmup.steps`` steps, with the ratios.
+``--xla_flags FLAGS`` runs this tree's children with ``FLAGS`` added to ``XLA_FLAGS`` against
+children without them (or, with ``--baseline``, against ``REV`` without them), the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ if __name__ == "__main__":  # first: glibc reads its tunables when the process s
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -121,28 +125,32 @@ def against_baseline(args) -> None:
         return sum(child[name][0] * n for name, n in expected(child).items())
 
     cache = tempfile.mkdtemp(prefix="bench_warmup_cache_")
-    with worktree(args.baseline) as tree:
-        runs = {"this tree": [], args.baseline: []}
+    here_label = "this tree" + (f" with XLA_FLAGS {args.xla_flags}" if args.xla_flags else "")
+    other = args.baseline or "XLA's defaults"
+    with (worktree(args.baseline) if args.baseline else contextlib.nullcontext(REPO)) as tree:
+        runs = {here_label: [], other: []}
         for _ in range(args.rounds):
-            for side, root in (("this tree", REPO), (args.baseline, tree)):
+            for k, (side, root, flags) in enumerate(((here_label, REPO, args.xla_flags), (other, tree, ""))):
                 env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'scripts'}"}
-                done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--cache", f"{cache}/{side}"],
+                if flags:  # after the caller's own XLA_FLAGS: XLA takes the last value of a flag
+                    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+                done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(args.steps), "--cache", f"{cache}/{k}"],
                                       cwd=root, env=env, capture_output=True, text=True)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("schedule ")]
                 if done.returncode or not lines:
                     raise RuntimeError(f"the {side} child failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
                 runs[side].append(json.loads(lines[-1][len("schedule "):]))
                 print(f"  {side}, round {len(runs[side])}: expected warm-up {total(runs[side][-1]):.1f} s", flush=True)
-    ours, theirs = runs["this tree"], runs[args.baseline]
+    ours, theirs = runs[here_label], runs[other]
     print(f"warm-up step by batch shape, medians of {args.rounds} alternated children ({args.steps} steps each):")
     for name, n in expected(ours[0]).items():
         a = statistics.median(child[name][0] for child in ours)
         b = statistics.median(child[name][0] for child in theirs)
         print(f"  {name:>16} {str(ours[0][name][3]):>10}, {n:7.1f} steps: {a * 1e3:6.1f} ms vs "
-              f"{b * 1e3:6.1f} ms at {args.baseline}: {b / a:.2f}x")
+              f"{b * 1e3:6.1f} ms ({other}): {b / a:.2f}x")
     here, there = [total(child) for child in ours], [total(child) for child in theirs]
     a, b = statistics.median(here), statistics.median(there)
-    print(f"expected warm-up ({w.steps} steps): {a:.0f} s here vs {b:.0f} s at {args.baseline}: {b / a:.2f}x faster "
+    print(f"expected warm-up ({w.steps} steps): {a:.0f} s here vs {b:.0f} s ({other}): {b / a:.2f}x faster "
           f"(per child: {', '.join(f'{t:.0f}' for t in here)} vs {', '.join(f'{t:.0f}' for t in there)} s)")
 
 
@@ -151,13 +159,15 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", default="", help="a git revision: time the warm-up's schedule here and there")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated child processes per side (--baseline)")
+    parser.add_argument("--xla_flags", default="", help="time the warm-up's schedule with these XLA flags added (this "
+                        "tree, or against --baseline without them) against XLA's defaults")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated child processes per side (--baseline, --xla_flags)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return schedule_child(args.steps, args.cache)
-    if args.baseline:
+    if args.baseline or args.xla_flags:
         return against_baseline(args)
 
     config = get_config()
