@@ -112,7 +112,9 @@ def schedule_child(steps: int, cache_dir: str) -> None:
     print("schedule " + json.dumps(out))
 
 
-def against_baseline(args) -> None:
+def side_by_side(args) -> None:
+    """``--baseline`` / ``--xla_flags``: the warm-up's schedule timed in alternated child processes, here
+    (with the flags) against the other side (``REV``'s worktree, or this tree without the flags)."""
     from mtrl_jax.warmup import step_view  # this tree's (a child may import an older mtrl_jax, without it)
 
     w = get_config().warmup  # the schedule's views, counted with this tree's step_view (both trees draw them alike)
@@ -126,7 +128,7 @@ def against_baseline(args) -> None:
 
     cache = tempfile.mkdtemp(prefix="bench_warmup_cache_")
     here_label = "this tree" + (f" with XLA_FLAGS {args.xla_flags}" if args.xla_flags else "")
-    other = args.baseline or "XLA's defaults"
+    other = args.baseline or "without them"
     with (worktree(args.baseline) if args.baseline else contextlib.nullcontext(REPO)) as tree:
         runs = {here_label: [], other: []}
         for _ in range(args.rounds):
@@ -159,8 +161,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", default="", help="a git revision: time the warm-up's schedule here and there")
-    parser.add_argument("--xla_flags", default="", help="time the warm-up's schedule with these XLA flags added (this "
-                        "tree, or against --baseline without them) against XLA's defaults")
+    parser.add_argument("--xla_flags", default="", help="time the warm-up's schedule with these flags added to XLA_FLAGS "
+                        "against without them (this tree, or --baseline)")
     parser.add_argument("--rounds", type=int, default=3, help="alternated child processes per side (--baseline, --xla_flags)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache", default="", help=argparse.SUPPRESS)
@@ -168,7 +170,7 @@ def main():
     if args.child:
         return schedule_child(args.steps, args.cache)
     if args.baseline or args.xla_flags:
-        return against_baseline(args)
+        return side_by_side(args)
 
     config = get_config()
     config.unlock()
