@@ -68,7 +68,7 @@ def get_config():
     c.search.top_k = 3
     c.search.max_doc_chars = 60
     c.search.cache_dir = ""
-    c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (scripts/serve_tools.py)
+    c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (tools/serve_tools.py)
 
     c.env = config_dict.ConfigDict()
     c.env.max_turns = 4

@@ -1,7 +1,7 @@
 """A real instruction-tuned model (SmolLM2-135M-Instruct) trained with MTRL on a real collection, on
 2 CPU cores, within 8 GiB of memory.
 
-    python scripts/fetch_models.py --model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
     python -m experiments.run --config=configs/real_cpu.py --workdir=workdirs/real_cpu
 
 The checkpoint renders its prompts with its own chat template (``model.chat_template="checkpoint"``;

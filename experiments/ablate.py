@@ -12,10 +12,10 @@ import argparse
 import itertools
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
+
+from experiments.sweep import run_seeds
 
 
 def parse_grid(items):
@@ -46,14 +46,14 @@ def validation_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
     return points
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.py")
     parser.add_argument("--grid", action="append", default=[], help="field=value1,value2 (repeatable)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default="workdirs/ablate")
     parser.add_argument("--eval-every", type=int, default=8, help="validation every N RL steps (the plot's points)")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     for o in overrides:
         if not o.startswith("--config."):
             raise SystemExit(f"unknown argument {o!r}")
@@ -65,19 +65,9 @@ def main():
     results = {}
     for cell in cells:
         name = cell_name(cell)
-        runs = []
-        for seed in range(args.seeds):
-            workdir = out / name / f"seed_{seed}"
-            if not (workdir / "summary.json").exists():
-                cmd = [sys.executable, "-m", "experiments.run", f"--config={args.config}", f"--workdir={workdir}",
-                       f"--config.seed={seed}", f"--config.eval.every_steps={args.eval_every}",
-                       "--config.log.progress=False", *[f"--config.{f}={v}" for f, v in cell], *overrides]
-                print(f"[{name} seed {seed}] " + " ".join(cmd[2:]), flush=True)
-                subprocess.run(cmd, check=True)
-            else:
-                print(f"[{name} seed {seed}] done already", flush=True)
-            runs.append(workdir)
-        summaries = [json.loads((w / "summary.json").read_text()) for w in runs]
+        flags = [f"--config.eval.every_steps={args.eval_every}", *[f"--config.{f}={v}" for f, v in cell], *overrides]
+        summaries = list(run_seeds(args.config, range(args.seeds), out / name, flags, label=f"[{name}] ").values())
+        runs = [out / name / f"seed_{seed}" for seed in range(args.seeds)]
         ndcg = np.array([s["after"]["ndcg@10"] for s in summaries])
         fail = np.array([s["after"]["failure_rate"] for s in summaries])
         results[name] = {"ndcg@10_mean": float(ndcg.mean()), "ndcg@10_std": float(ndcg.std()),

@@ -5,10 +5,10 @@ checkpoint of a real config). ``--samples=k`` draws k samples per query (at the 
 temperature) for pass@k and max@k; ``--compare=OTHER_OUT`` adds a base -> fine-tuned table.
 """
 
-if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
-    from mtrl_jax.host import reexec_with_tunables
+if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+    from mtrl_jax.host import prepare_process
 
-    reexec_with_tunables()
+    prepare_process()
 
 import logging
 

@@ -6,10 +6,10 @@ start the same command on each with ``--coordinator_address=HOST:PORT --num_proc
 under SLURM or on a TPU pod slice, and one ``--workdir`` on a file system they share.
 """
 
-if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
-    from mtrl_jax.host import reexec_with_tunables
+if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+    from mtrl_jax.host import prepare_process
 
-    reexec_with_tunables()
+    prepare_process()
 
 import logging
 

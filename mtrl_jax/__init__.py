@@ -1,7 +1,8 @@
-"""mtrl-jax: multi-turn reinforcement learning for LLM search agents in JAX/Flax."""
+"""mtrl-jax: multi-turn reinforcement learning for LLM search agents in JAX/Flax.
 
-from mtrl_jax.host import tune_allocator
+Importing the package changes nothing in the process: the entry points (``experiments.run``,
+``experiments.evaluate``, the timing benchmarks) set the host allocator up themselves
+(``mtrl_jax.host.prepare_process``).
+"""
 
 __version__ = "0.1.0"
-
-tune_allocator()  # before any XLA buffer: freed blocks are reused, not page-faulted in again (mtrl_jax/host.py)

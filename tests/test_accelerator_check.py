@@ -1,4 +1,4 @@
-"""scripts/accelerator_check.sh end to end on CPU, with a tiny model shape instead of Qwen3-0.6B."""
+"""tools/accelerator_check.sh end to end on CPU, with a tiny model shape instead of Qwen3-0.6B."""
 
 import json
 import pathlib
@@ -20,7 +20,7 @@ def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
     model.write_text(json.dumps(TINY))
     # one length branch (--max_len 512) and the sampler shapes compiled as met: 25 s instead of 76 s
     env = subprocess_env()
-    result = subprocess.run(["bash", "scripts/accelerator_check.sh", "--model", str(model), "--steps", "2", "--prompts", "2",
+    result = subprocess.run(["bash", "tools/accelerator_check.sh", "--model", str(model), "--steps", "2", "--prompts", "2",
                              "--group_size", "2", "--slots", "4", "--max_tokens_per_turn", "16", "--mesh", "1,1,1",
                              "--dtype", "float32", "--micro_batches", "1", "--peak_tflops", "1",
                              "--max_len", "512", "--precompile", "0", "--workdir", str(tmp_path / "w")],

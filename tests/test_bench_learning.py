@@ -1,15 +1,12 @@
-"""scripts/bench_learning.py: the hop diagnostics read from the RL steps' trajectories."""
+"""benchmarks/bench_learning.py: the hop diagnostics read from the RL steps' trajectories."""
 
-import importlib.util
 import math
 import pathlib
 
+import benchmarks.bench_learning as bench
 from mtrl_jax.rollout.trajectory import Trajectory
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_learning", REPO / "scripts" / "bench_learning.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 
 
 def _episode(kind, searches, reward, grades):

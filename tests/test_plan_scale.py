@@ -1,4 +1,4 @@
-"""scripts/plan_scale.py: compiler-measured memory and FLOPs of the update and decode steps."""
+"""tools/plan_scale.py: compiler-measured memory and FLOPs of the update and decode steps."""
 
 import json
 import pathlib
@@ -16,9 +16,9 @@ SHAPE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_s
 
 
 def _plan(model, *extra):
-    """Start ``scripts/plan_scale.py`` on the shape file ``model``; ``_result`` waits for it and reads its JSON line."""
+    """Start ``tools/plan_scale.py`` on the shape file ``model``; ``_result`` waits for it and reads its JSON line."""
     env = subprocess_env()  # plan_scale.py sets its own --devices
-    return subprocess.Popen([sys.executable, "scripts/plan_scale.py", "--model", str(model), "--json", *extra], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "tools.plan_scale", "--model", str(model), "--json", *extra], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -50,6 +50,6 @@ def test_plan_reports_per_device_memory_and_flops(tmp_path):
 
 
 def test_plan_rejects_a_mesh_that_does_not_match_the_devices(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/plan_scale.py", "--model", "qwen3-0.6b", "--devices", "8", "--mesh", "2,2,1",
+    result = subprocess.run([sys.executable, "-m", "tools.plan_scale", "--model", "qwen3-0.6b", "--devices", "8", "--mesh", "2,2,1",
                              "--batch", "8", "--seq", "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "--mesh 2,2,1 has 4 devices, --devices is 8" in result.stderr

@@ -1,8 +1,8 @@
-"""Real instruction-tuned checkpoints (scripts/fetch_models.py) against transformers: logits, greedy
+"""Real instruction-tuned checkpoints (tools/fetch_models.py) against transformers: logits, greedy
 decoding with the project's sampler, the chat template of a three-turn episode, export and reload.
 
 Each test skips when its model has not been fetched (``models/<name>``, or ``MTRL_MODELS_DIR``).
-The transformers side comes from ``tests/fixtures/real/<name>.npz`` (scripts/make_real_fixtures.py);
+The transformers side comes from ``tests/fixtures/real/<name>.npz`` (tools/make_real_fixtures.py);
 with torch and transformers installed, the logits and the chat rendering are also compared live."""
 
 import json
@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-import real_models as R
+import tools.make_real_fixtures as R
+from mtrl_jax.chat import TemplateChat
 from mtrl_jax.model import compute_logits, load_hf_checkpoint, save_hf_checkpoint
 from mtrl_jax.rollout import sampler as S
 
@@ -23,7 +24,7 @@ def real(request):
     name = request.param
     directory = R.MODELS_DIR / name
     if not (directory / "fetch.json").exists():
-        pytest.skip(f"{name} not fetched: python scripts/fetch_models.py --model {name} --out {directory}")
+        pytest.skip(f"{name} not fetched: python -m tools.fetch_models --model {name} --out {directory}")
     fixture = np.load(R.FIXTURES / f"{name}.npz")
     record = json.loads(bytes(fixture["record"]).decode())
     assert json.loads((directory / "fetch.json").read_text())["gguf_sha256"] == record["gguf_sha256"]
@@ -73,13 +74,16 @@ def test_greedy_decoding_matches_transformers_generate(real):
         np.testing.assert_array_equal(tokens[i, :new], fixture[f"greedy{i}_tokens"], err_msg=f"{name} prompt {i}")
 
 
-def test_the_environment_renders_the_checkpoints_own_chat_template(real):
-    """System (with the tools as the template wants them), user, three assistant turns and the tool
-    responses: token for token ``apply_chat_template(messages, tools=...)``."""
+def test_the_episode_driver_renders_the_checkpoints_own_chat_template(real):
+    """The fixture's episode (system with the tools as the template wants them, user, three assistant
+    turns and the tool responses) replayed through the episode driver: token for token
+    ``apply_chat_template(messages, tools=...)``. The messages come from the fixture, so the test depends
+    on no collection's text."""
     name, directory, fixture, record, _, _ = real
-    env, chat = R.environment(directory)
-    run = R.scripted_episode(env, chat)
-    assert run.messages == record["messages"]  # the same episode as the fixture's
+    chat = TemplateChat.from_checkpoint(directory)
+    messages = record["messages"]
+    run = R.replay_episode(chat, messages)
+    assert run.messages == messages
     assert [m["role"] for m in run.messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant"]
     expected = list(fixture["episode_ids"])
     # apply_chat_template closes the last turn with "<|im_end|>\n"; the trajectory ends at the sampled <|im_end|>
@@ -90,9 +94,8 @@ def test_the_environment_renders_the_checkpoints_own_chat_template(real):
     torch, transformers = _transformers()
     if transformers is not None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-        plain = [{k: v for k, v in m.items() if k != "tools"} for m in run.messages]
-        live = tokenizer.apply_chat_template(plain, tools=R.tool_schemas(env), tokenize=True)
-        assert list(live["input_ids"] if hasattr(live, "keys") else live) == expected
+        tools = next(m["tools"] for m in messages if "tools" in m) if chat.renders_tools else None
+        assert R.hf_apply(tokenizer, messages, tools, add_generation_prompt=False) == expected
 
 
 @pytest.mark.slow
@@ -115,7 +118,7 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
 
     directory = R.MODELS_DIR / "smollm2-135m-instruct"
     if not (directory / "fetch.json").exists():
-        pytest.skip(f"smollm2-135m-instruct not fetched: python scripts/fetch_models.py --model smollm2-135m-instruct --out {directory}")
+        pytest.skip(f"smollm2-135m-instruct not fetched: python -m tools.fetch_models --model smollm2-135m-instruct --out {directory}")
     workdir = tmp_path / "run"
     args = ["--config=configs/real_cpu.py", f"--config.model.checkpoint={directory}", f"--workdir={workdir}",
             f"--config.data.folders={shared_data / 'cranfield'}", "--config.data.validation_min=0", "--config.data.max_eval_tasks=2",

@@ -1,15 +1,12 @@
-"""scripts/show_trajectories.py: grades next to ids, the advantage, and the HTML page (parsed back)."""
+"""tools/show_trajectories.py: grades next to ids, the advantage, and the HTML page (parsed back)."""
 
 import html.parser
-import importlib.util
 import pathlib
 
+import tools.show_trajectories as show
 from mtrl_jax.rollout.trajectory import Trajectory
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("show_trajectories", REPO / "scripts" / "show_trajectories.py")
-show = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(show)
 
 
 def _records(path):

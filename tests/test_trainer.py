@@ -108,7 +108,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     for kind in kinds:  # per-type training diagnostics of the same step
         for name in ("reward_mean", "ndcg@10", "failure_rate", "mean_turns", "all_equal_groups", "adv_abs_mean"):
             assert f"by_type/{kind}/{name}" in metrics[1], (kind, name)
-    view = subprocess.run([sys.executable, "scripts/show_trajectories.py", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
+    view = subprocess.run([sys.executable, "-m", "tools.show_trajectories", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert view.returncode == 0 and "assistant:" in view.stdout and "advantage" in view.stdout
 

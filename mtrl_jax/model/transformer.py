@@ -178,7 +178,7 @@ def dense(x: Array, w: Array, contract: int = 1) -> Array:
     leading dims of ``x`` are flattened into rows and ``w`` into a matrix. XLA's CPU backend runs a
     ``[B, T, D] x [D, F]`` contraction, and above all its backward pass, much slower than the same
     ``[B * T, D] x [D, F]`` matmul (its weight gradients transposed a whole activation first); see the
-    MLP line of ``scripts/bench_train_step.py --components``."""
+    MLP line of ``benchmarks/bench_train_step.py --components``."""
     inner, outer = w.shape[:contract], w.shape[contract:]
     lead = x.shape[:x.ndim - contract]
     rows = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(outer))

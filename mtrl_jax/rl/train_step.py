@@ -301,7 +301,7 @@ class Updater:
 
     def lower(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
         """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
-        ``.compile()`` and its memory and cost analyses (``scripts/plan_scale.py``)."""
+        ``.compile()`` and its memory and cost analyses (``tools/plan_scale.py``)."""
         with activate(self.mesh):
             return self._update.lower(*state, batch, ref_params)
 

@@ -540,7 +540,7 @@ class Sampler:
                              dict(max_new_tokens=self.max_new_tokens, window=window))
 
     def lower_decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget):
-        """``decode`` lowered for these (abstract, placed) arguments, for ``scripts/plan_scale.py``."""
+        """``decode`` lowered for these (abstract, placed) arguments, for ``tools/plan_scale.py``."""
         with activate(self.mesh):
             return self._decode.lower(params, state, row_keys, temperature, top_p, stop_tokens, active, budget,
                                       max_new_tokens=self.max_new_tokens)

@@ -30,7 +30,7 @@ class SearchSettings:
     max_top_k: int = 20
     max_doc_chars: int = 200
     cache_dir: Optional[str] = None
-    remote_url: Optional[str] = None  # serve the tools from scripts/serve_tools.py instead
+    remote_url: Optional[str] = None  # serve the tools from tools/serve_tools.py instead
     remote_timeout_s: float = 10.0
     remote_retries: int = 2
 

@@ -62,7 +62,7 @@ class SearchTool(Tool):
 
 
 class RemoteSearchTool(SearchTool):
-    """The same tool served by ``scripts/serve_tools.py``: POST ``{url}/search`` with
+    """The same tool served by ``tools/serve_tools.py``: POST ``{url}/search`` with
     ``{"tool", "query", "top_k"}``. Timeouts and bounded retries; a service that stays down
     becomes a tool error the model sees, never an exception in the rollout loop."""
 
@@ -140,4 +140,4 @@ def check_service(url: str, timeout_s: float = 5.0) -> None:
                 raise ValueError("health check did not answer ok")
     except (urllib.error.URLError, TimeoutError, OSError, ValueError, AttributeError) as e:
         raise ConnectionError(f"search.remote_url={url}: the tool server is unreachable or unhealthy "
-                              f"({type(e).__name__}: {e}); start it with scripts/serve_tools.py") from None
+                              f"({type(e).__name__}: {e}); start it with tools/serve_tools.py") from None

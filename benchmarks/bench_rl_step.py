@@ -1,7 +1,7 @@
 """Where the default RL step's time goes: a short run of configs/default.py, step by step.
 
-    python scripts/bench_rl_step.py                       # 8 RL steps after a 300-step warm-up
-    python scripts/bench_rl_step.py --baseline 1114276    # the same run at another commit, side by side
+    python -m benchmarks.bench_rl_step                       # 8 RL steps after a 300-step warm-up
+    python -m benchmarks.bench_rl_step --baseline 1114276    # the same run at another commit, side by side
 
 Each RL step's metrics (``metrics.jsonl``) hold its timings: the collection (``collect_s``) split
 into device calls (``decode_s``, ``extend_s``) and waits on tools (``tool_wait_s``); the wait for
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import REPO, worktree
+from benchmarks.common import REPO, machine_line, ratio, worktree
 
 COLUMNS = [("step_s", "time/step_s"), ("collect_wait", "time/collect_wait_s"), ("collect", "time/collect_s"),
            ("decode", "time/decode_s"), ("extend", "time/extend_s"), ("tool_wait", "time/tool_wait_s"),
@@ -62,7 +62,7 @@ def table(steps: list[dict], steady_from: int) -> float:
     return medians["step_s"]
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup_steps", type=int, default=300)
@@ -70,7 +70,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", default="", help="a git revision to run side by side (in a temporary worktree)")
     p.add_argument("overrides", nargs="*", help="extra --config.* flags for both runs")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    print(machine_line(), flush=True)
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_rl_step_"))
     steps, seconds = run(REPO, out / "current", args)
     print(f"this checkout: {seconds:.0f} s end to end (warm-up {args.warmup_steps} steps, {args.steps} RL steps)")
@@ -81,7 +82,7 @@ def main():
         steps, seconds = run(tree, out / "baseline", args)
     print(f"\nbaseline {args.baseline}: {seconds:.0f} s end to end")
     baseline = table(steps, args.steady_from)
-    print(f"\nsteady-state step: {current:.3f} s vs {baseline:.3f} s at {args.baseline}: {baseline / current:.2f}x faster")
+    print(f"\nsteady-state step: {current:.3f} s vs {baseline:.3f} s at {args.baseline}: {ratio(current, baseline)} faster")
 
 
 if __name__ == "__main__":

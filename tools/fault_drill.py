@@ -1,6 +1,6 @@
 """The fault drill: every fault of the reliability catalogue, tried on this machine, one line each.
 
-    python scripts/fault_drill.py [--out workdirs/fault_drill] [--quick]
+    python -m tools.fault_drill [--out workdirs/fault_drill] [--quick]
 
 Scenarios: bad model outputs, bad tool replies, kills during checkpoint saves, damaged checkpoints,
 two runs on one work directory, a full disk during a save, NaN (greedy rollouts, a NaN batch,
@@ -26,7 +26,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--config.rollout_max_concurrency=4",
          "--config.warmup.steps=2", "--config.data.max_eval_tasks=2", "--config.checkpoint.every_steps=1",
@@ -356,11 +355,11 @@ def greedy_rollouts(out: pathlib.Path):
     return ok, f"exit {code}, train/loss {last['train/loss']:.4g}, skipped steps {last['train/skipped_steps']:.0f}"
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="workdirs/fault_drill")
     parser.add_argument("--quick", action="store_true", help="skip the scenarios that run training subprocesses")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = pathlib.Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     bad_model_outputs()

@@ -1,6 +1,6 @@
 """Episodes per second of the rollout collector with tool workers against tools run inline.
 
-    python scripts/bench_collector.py                  # 64 episodes, one 50 ms tool call each, 3 repeats
+    python -m benchmarks.bench_collector                  # 64 episodes, one 50 ms tool call each, 3 repeats
 
 The policy is the embedded default's tiny Qwen3 shape (random weights), the collector has the
 default's 32 slots, 512-token contexts and 48-token turns. Each episode is a prompt, a turn, one
@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.common import machine_line
 from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Task
 from mtrl_jax.model import ModelConfig, init_params
@@ -52,7 +53,7 @@ class OneToolCall(Environment):
         return StepResult([{"role": "tool", "content": self.reply}], False, turn)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--slots", type=int, default=32)
@@ -62,7 +63,8 @@ def main():
     p.add_argument("--reply_words", type=int, default=30)
     p.add_argument("--stop_share", type=float, default=0.06, help="share of the vocabulary that ends a turn")
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    print(machine_line(), flush=True)
     rng = np.random.default_rng(0)
     chat = ChatFormat(train_tokenizer([" ".join(rng.choice(WORDS, 50)) for _ in range(50)], 1024))
     chat.stop_ids = chat.stop_ids + [int(i) for i in rng.choice(chat.vocab_size, int(args.stop_share * chat.vocab_size), replace=False)]

@@ -1,7 +1,7 @@
 """Evaluate single-tool retrieval on a BEIR-layout folder (or the synthetic collection).
 
-    python scripts/eval_retrieval.py --data ../shared/data/scifact --tools bm25,dense,fusion --encoder minilm
-    python scripts/eval_retrieval.py --synthetic --json /tmp/synthetic.json
+    python -m tools.eval_retrieval --data ../shared/data/scifact --tools bm25,dense,fusion --encoder minilm
+    python -m tools.eval_retrieval --synthetic --json /tmp/synthetic.json
 
 Prints nDCG@10 and recall@100 per tool; ``--json`` writes ``{tool: {"ndcg@10", "recall@100",
 "queries"[, "by_type"]}}``; ``--run-dir`` writes one TREC run file per tool.
@@ -19,7 +19,7 @@ from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.search.metrics import write_trec_run
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="a BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels.tsv)")
@@ -32,7 +32,7 @@ def main():
     parser.add_argument("--cache-dir", default=None, help="where corpus embeddings are cached")
     parser.add_argument("--json", default=None, help="write the metrics here")
     parser.add_argument("--run-dir", default=None, help="write TREC run files here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     collection = make_synthetic_collection(args.seed) if args.synthetic else load_beir(args.data)
     # per task type (the synthetic query kinds, MuSiQue's hop counts) where the collection has several

@@ -1,8 +1,8 @@
 """The fetched base models on the held-out queries of the shared collections, next to the single-tool
 baselines (BM25, dense, fusion) on the very same queries: the "before" column of RL on real models.
 
-    python scripts/fetch_models.py --model smollm2-135m-instruct --out models/smollm2-135m-instruct
-    python scripts/eval_base_models.py --models smollm2-135m-instruct --out workdirs/base_eval
+    python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m tools.eval_base_models --models smollm2-135m-instruct --out workdirs/base_eval
 
 For each model and collection this runs ``python -m experiments.evaluate --config=configs/real_cpu.py``
 (the model's own chat template, 50 held-out queries per collection: ``data.validation_min``), and
@@ -20,7 +20,6 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 COLLECTIONS = ("scifact", "cranfield", "musique", "dbpedia_entity_5k")
 
@@ -40,7 +39,7 @@ def baselines(folder: pathlib.Path, minimum: int, tfidf_dim: int) -> dict:
     return {"queries": len(held_out), **{tool: r["ndcg@10"] for tool, r in results.items()}}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--models-dir", type=pathlib.Path, default=REPO / "models")
@@ -49,7 +48,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "workdirs" / "base_eval")
     parser.add_argument("--queries", type=int, default=50, help="held-out queries per collection (data.validation_min)")
     parser.add_argument("--set", action="append", default=[], help="key=value: passed on as --config.key=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
@@ -65,7 +64,7 @@ def main() -> None:
     for model in [m for m in args.models.split(",") if m]:
         directory = args.models_dir / model
         if not (directory / "fetch.json").exists():
-            sys.exit(f"eval_base_models.py: {directory} not fetched (scripts/fetch_models.py --model {model} --out {directory})")
+            sys.exit(f"eval_base_models.py: {directory} not fetched (tools/fetch_models.py --model {model} --out {directory})")
         for c in collections:
             if c in results.get(model, {}):
                 continue  # done in an earlier run: resumable

@@ -1,7 +1,7 @@
 """MTRL on a real model within a time budget: held-out nDCG@10 and failure rate before and after.
 
-    python scripts/fetch_models.py --model smollm2-135m-instruct --out models/smollm2-135m-instruct
-    python scripts/bench_real_rl.py --minutes 60 --out workdirs/bench_real_rl
+    python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m benchmarks.bench_real_rl --minutes 60 --out workdirs/bench_real_rl
 
 Runs ``python -m experiments.run --config=configs/real_cpu.py`` (SmolLM2-135M-Instruct on Cranfield,
 its 50 held-out queries evaluated before RL) for as many RL steps as ``--minutes`` allow: at the
@@ -25,11 +25,11 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget of the training run")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "workdirs" / "bench_real_rl")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         sys.exit(f"bench_real_rl.py: unexpected arguments {bad} (only --config.key=value are passed on)")

@@ -1,7 +1,7 @@
 """BM25 query latency: our sparse-matrix index vs rank-bm25, on one synthetic corpus, same run.
 
-    python scripts/bench_search.py                 # 100,000 documents
-    python scripts/bench_search.py --docs 20000    # quicker
+    python -m benchmarks.bench_search                 # 100,000 documents
+    python -m benchmarks.bench_search --docs 20000    # quicker
 
 Scores are checked equal on every timed query before the latencies are printed.
 """
@@ -12,17 +12,19 @@ import time
 import numpy as np
 import rank_bm25
 
+from benchmarks.common import machine_line
 from mtrl_jax.search.bm25 import BM25Index
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--reference-queries", type=int, default=20, help="rank-bm25 is slow: time fewer")
     parser.add_argument("--k", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(machine_line(peak=False), flush=True)
     rng = np.random.default_rng(0)
     words = np.array([f"w{i}" for i in range(args.vocab)])
     lengths = rng.integers(20, 120, size=args.docs)

@@ -2,8 +2,8 @@
 collection, on whatever devices JAX sees; prints sampled and trained tokens/s, MFU against the
 device's bf16 peak, and peak device memory.
 
-    bash scripts/accelerator_check.sh                       # random weights, Qwen3-0.6B shape
-    bash scripts/accelerator_check.sh --checkpoint DIR      # a real HF checkpoint (with tokenizer.json)
+    bash tools/accelerator_check.sh                       # random weights, Qwen3-0.6B shape
+    bash tools/accelerator_check.sh --checkpoint DIR      # a real HF checkpoint (with tokenizer.json)
 
 With random weights the tokenizer is trained on the synthetic collection (the model keeps Qwen3's
 151,936-row vocabulary) and the checkpoint is written once to ``<workdir>/random-<model>``; the
@@ -20,11 +20,9 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 # dense bf16 peak TFLOP/s by (a substring of) jax's device_kind, case-insensitive; first match wins
 PEAK_TFLOPS = [("h200", 989.0), ("h100", 989.0), ("gh200", 989.0), ("a100", 312.0), ("l40s", 362.0), ("a10g", 125.0),

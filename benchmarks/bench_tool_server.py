@@ -1,6 +1,6 @@
 """Load test of the tool server: many concurrent clients for a fixed time, on this machine only.
 
-    python scripts/bench_tool_server.py --clients 200 --seconds 30
+    python -m benchmarks.bench_tool_server --clients 200 --seconds 30
 
 Starts ``mtrl_jax.search.server`` on 127.0.0.1 over the synthetic collection, then ``--clients``
 threads each send search requests back to back (a fresh connection per request, as the tool
@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+from benchmarks.common import machine_line
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.search.build import SearchSettings, make_tools
 from mtrl_jax.search.server import make_server, serve_in_background
@@ -53,12 +54,13 @@ def hammer(call, clients: int, seconds: float, queries: list[str]) -> dict:
             "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"), "errors": errors}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--tool", default="bm25_search")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(machine_line(peak=False), flush=True)
 
     collection = make_synthetic_collection(0)
     tools = {t.name: t for t in make_tools(collection, SearchSettings(tfidf_dim=32))}

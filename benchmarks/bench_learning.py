@@ -1,6 +1,6 @@
 """Does RL beat the warmed-up teacher? The default config over several seeds, mean +- std.
 
-    python scripts/bench_learning.py --seeds 0,1,2 --out workdirs/bench_learning
+    python -m benchmarks.bench_learning --seeds 0,1,2 --out workdirs/bench_learning
 
 Each seed is a full `experiments.run` of configs/default.py (synthetic collection, tokenizer,
 warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
@@ -17,11 +17,10 @@ and the share of second searches that returned a relevant document the first sea
 import argparse
 import json
 import pathlib
-import subprocess
-import sys
-import time
 
 import numpy as np
+
+from benchmarks.common import machine_line, run_seeds
 
 
 KEYS = ("ndcg@10", "failure_rate", "mean_turns")
@@ -71,28 +70,19 @@ def training_hops(workdir: pathlib.Path) -> dict:
     return out
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", default="workdirs/bench_learning")
     parser.add_argument("--config", default="configs/default.py")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     out = pathlib.Path(args.out)
-    summaries = {}
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        workdir = out / f"seed_{seed}"
-        summary = workdir / "summary.json"
-        if not summary.exists():
-            cmd = [sys.executable, "-m", "experiments.run", f"--config={args.config}", f"--workdir={workdir}",
-                   f"--config.seed={seed}", f"--config.data.synthetic_seed={seed}", "--config.log.progress=False", *overrides]
-            print("running", " ".join(cmd), flush=True)
-            start = time.perf_counter()
-            subprocess.run(cmd, check=True)
-            (workdir / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
-        summaries[seed] = json.loads(summary.read_text())
-        wall = workdir / "wall_seconds.txt"
-        if wall.exists():
-            print(f"seed {seed}: {float(wall.read_text()) / 60:.1f} minutes end to end", flush=True)
+    print(machine_line(peak=False), flush=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    summaries = run_seeds(args.config, seeds, out, overrides, per_seed=("--config.seed={seed}", "--config.data.synthetic_seed={seed}"))
+    for seed, s in summaries.items():
+        if "wall_seconds" in s:
+            print(f"seed {seed}: {s['wall_seconds'] / 60:.1f} minutes end to end", flush=True)
     print(f"{'seed':>6} " + " ".join(f"{p}:{k:>14}" for p in ("before", "after") for k in KEYS))
     for seed, s in summaries.items():
         print(f"{seed:>6} " + " ".join(f"{s[p][k]:>21.4f}" for p in ("before", "after") for k in KEYS))

@@ -1,7 +1,7 @@
 """Peak memory and time of chunked vs dense token log-probs (value and gradient).
 
-    python scripts/bench_logprobs.py                      # vocab 151,936, B*T = 8,192
-    python scripts/bench_logprobs.py --tokens 2048 --hidden 256   # quicker
+    python -m benchmarks.bench_logprobs                      # vocab 151,936, B*T = 8,192
+    python -m benchmarks.bench_logprobs --tokens 2048 --hidden 256   # quicker
 
 Peak memory is XLA's compiled plan for the jitted value-and-grad (arguments + outputs +
 temporaries), the number that decides whether a step fits on an accelerator.
@@ -13,10 +13,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import machine_line
 from mtrl_jax.rl.logprobs import token_logprobs, token_logprobs_dense
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--tokens", type=int, default=8_192, help="B*T")
@@ -24,7 +25,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(machine_line(), flush=True)
     B, T = args.batch, args.tokens // args.batch
     k = jax.random.split(jax.random.PRNGKey(0), 3)
     hidden = jax.random.normal(k[0], (B, T, args.hidden), jnp.float32)

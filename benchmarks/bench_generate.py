@@ -1,7 +1,7 @@
 """Greedy decode throughput of the sampler against HF ``generate`` and a minimal ``lax.scan`` decoder.
 
-    python scripts/bench_generate.py                        # tiny (batch 32) and 30m (batch 8), 3 repeats
-    python scripts/bench_generate.py --configs tiny --repeats 5
+    python -m benchmarks.bench_generate                        # tiny (batch 32) and 30m (batch 8), 3 repeats
+    python -m benchmarks.bench_generate --configs tiny --repeats 5
 
 Per config (``tiny``: the embedded default's policy; ``30m``: a 30M Qwen3, 4 layers, hidden 512,
 vocabulary 32k), prompts of ``--prompt`` random tokens, ``--new`` greedy tokens, one run each per
@@ -27,14 +27,13 @@ The three must produce the same tokens (printed). Then, on ``tiny``:
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: glibc reads its tunables when the process starts (mtrl_jax/host.py)
-    from mtrl_jax.host import reexec_with_tunables
+if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+    from mtrl_jax.host import prepare_process
 
-    reexec_with_tunables()
+    prepare_process()
 
 import argparse
 import functools
-import statistics
 import tempfile
 import time
 
@@ -42,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import import_torch, model_config
+from benchmarks.common import alternate, import_torch, machine_line, model_config
 from mtrl_jax.model import ModelConfig, compute_logits, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import Transformer, forward, init_cache, logits_from_hidden, unstack_layers
@@ -127,18 +126,6 @@ def collector_shaped(cfg: ModelConfig, params, prompts: np.ndarray, new: int, ch
     return run
 
 
-def alternate(fns: dict, repeats: int) -> tuple[dict, dict]:
-    """Median seconds of each function, calls alternated, after one warm-up call each; and its output."""
-    outputs = {name: fn() for name, fn in fns.items()}  # compile / warm up
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}, outputs
-
-
 def no_cache(cfg: ModelConfig, params, prompts: np.ndarray, new: int):
     full = jax.jit(lambda t: compute_logits(Transformer(cfg), params, t))
     B, P = prompts.shape
@@ -186,14 +173,15 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
     print(f"{hi} / {lo} slots: sampler {med[(hi, True)] / med[(lo, True)]:.2f}x, all slots {med[(hi, False)] / med[(lo, False)]:.2f}x")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--held", type=int, default=64, help="tokens held per row in the capacity comparison")
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    print(machine_line(), flush=True)
     torch, transformers = import_torch("the HF generate side")
     for name in args.configs.split(","):
         B, cfg = BATCH[name], model_config(name)

@@ -1,9 +1,9 @@
 """What fits where, measured by the compiler: the update step and the decode step of a published
 model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing allocated.
 
-    python scripts/plan_scale.py --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
-    python scripts/plan_scale.py --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
-    python scripts/plan_scale.py --table    # the README's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
+    python -m tools.plan_scale --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
+    python -m tools.plan_scale --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
+    python -m tools.plan_scale --table    # the README's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
@@ -193,10 +193,10 @@ def table() -> str:
     models = sorted((f.stem for f in MODELS.glob("*.json")), key=lambda m: float(m.split("-")[1].rstrip("b")))
     for devices, mesh, rows, micro, slots, targets in TABLE_ROWS:
         for model in models:
-            cmd = [sys.executable, __file__, "--model", model, "--devices", str(devices), "--mesh", mesh, "--batch", str(rows),
+            cmd = [sys.executable, "-m", "tools.plan_scale", "--model", model, "--devices", str(devices), "--mesh", mesh, "--batch", str(rows),
                    "--seq", str(TABLE_SEQ), "--micro_batches", str(micro), "--slots", str(slots), "--max_len", str(TABLE_CACHE),
                    "--param_dtype", "bfloat16", "--json"]
-            run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+            run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
             if run.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
             out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -220,7 +220,6 @@ def main(argv=None):
         return None
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(REPO))
     import flax.linen as nn
     import jax
 

@@ -1,11 +1,11 @@
 """Write tiny random HF checkpoints and their reference outputs into tests/fixtures/.
 
 torch and transformers are used here and only here (install them with
-``pip install -r scripts/requirements-fixtures.txt``); the tests read the files written below
+``pip install -r tools/requirements-fixtures.txt``); the tests read the files written below
 without importing torch.
 
-    python scripts/make_hf_fixtures.py            # write fixtures, then check our export
-    python scripts/make_hf_fixtures.py --check    # only check our export against transformers
+    python -m tools.make_hf_fixtures            # write fixtures, then check our export
+    python -m tools.make_hf_fixtures --check    # only check our export against transformers
 
 Decoder fixtures (each < 1 MB, grouped-query attention, 2 layers):
   qwen2           q/k/v bias, untied head, top-level ``rope_theta``
@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 
 import numpy as np
-import torch
-import transformers
+
+torch = transformers = None  # imported by main(), after the arguments are parsed (--help needs neither)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -38,14 +37,16 @@ VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
 
-DECODERS = {
-    "qwen2": (transformers.Qwen2Config, dict(COMMON, tie_word_embeddings=False, rope_theta=10000.0), None),
-    "qwen3_tied": (transformers.Qwen3Config, dict(COMMON, head_dim=16, tie_word_embeddings=True, rope_theta=1e6), None),
-    "qwen3_untied": (transformers.Qwen3Config, dict(COMMON, head_dim=8, tie_word_embeddings=False, rope_theta=1e6), "60KB"),
-    "llama": (transformers.LlamaConfig, dict(COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}), "60KB"),
-}
+def decoders() -> dict:
+    """``{fixture: (transformers config class, its arguments, max shard size or None)}``."""
+    return {
+        "qwen2": (transformers.Qwen2Config, dict(COMMON, tie_word_embeddings=False, rope_theta=10000.0), None),
+        "qwen3_tied": (transformers.Qwen3Config, dict(COMMON, head_dim=16, tie_word_embeddings=True, rope_theta=1e6), None),
+        "qwen3_untied": (transformers.Qwen3Config, dict(COMMON, head_dim=8, tie_word_embeddings=False, rope_theta=1e6), "60KB"),
+        "llama": (transformers.LlamaConfig, dict(COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}), "60KB"),
+    }
 
 
 def batch():
@@ -76,7 +77,7 @@ def randomise(model, seed):
 
 def write_decoders():
     tokens, mask = batch()
-    for seed, (name, (cls, kwargs, shard)) in enumerate(DECODERS.items()):
+    for seed, (name, (cls, kwargs, shard)) in enumerate(decoders().items()):
         out = FIXTURES / name
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("*"):
@@ -140,12 +141,11 @@ def write_bert():
 
 def check_export():
     """Load each fixture with mtrl_jax, export it, and load the export with transformers."""
-    sys.path.insert(0, str(ROOT))
     from mtrl_jax.model import hf_io
 
     tokens, mask = batch()
     worst = 0.0
-    for name in DECODERS:
+    for name in decoders():
         model, params = hf_io.load_hf_checkpoint(FIXTURES / name)
         with tempfile.TemporaryDirectory() as tmp:
             hf_io.save_hf_checkpoint(model, params, tmp)
@@ -159,10 +159,14 @@ def check_export():
     print("export check passed")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only run the export check")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    global torch, transformers
+    import torch
+    import transformers
+
     if not args.check:
         write_decoders()
         write_bert()
