@@ -46,6 +46,7 @@ from mtrl_jax.model import ModelConfig, compute_logits, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import Transformer, forward, init_cache, logits_from_hidden, unstack_layers
 from mtrl_jax.rollout import sampler as S
+from mtrl_jax.rollout.engine import Sampler
 
 BATCH = {"tiny": 32, "30m": 8}
 
@@ -76,12 +77,12 @@ def greedy_rows(B: int, new: int):
 
 def sides(cfg: ModelConfig, params, prompts: np.ndarray, new: int, torch, transformers) -> dict:
     B, P = prompts.shape
-    smp = S.Sampler(cfg, slots=B, max_len=P + new, max_new_tokens=new)
+    smp = Sampler(cfg, slots=B, max_len=P + new, max_new_tokens=new)
     keys = jax.random.split(jax.random.PRNGKey(0), B)
     rows = greedy_rows(B, new)
 
     def sampler():
-        state = smp.extend(params, smp.init(), [list(p) for p in prompts])
+        state, _ = smp.extend(params, smp.init(), [list(p) for p in prompts])
         return np.asarray(smp.decode(params, state, keys, *rows)[1].tokens)
 
     def minimal():
@@ -109,11 +110,11 @@ def sides(cfg: ModelConfig, params, prompts: np.ndarray, new: int, torch, transf
 def collector_shaped(cfg: ModelConfig, params, prompts: np.ndarray, new: int, chunk: int = 48, max_len: int = 512):
     """The sampler driven as the collector drives it: 512 slots, ``chunk``-token calls, outputs fetched."""
     B = prompts.shape[0]
-    smp = S.Sampler(cfg, slots=B, max_len=max_len, max_new_tokens=chunk)
+    smp = Sampler(cfg, slots=B, max_len=max_len, max_new_tokens=chunk)
     keys = jax.random.split(jax.random.PRNGKey(0), B)
 
     def run():
-        state = smp.extend(params, smp.init(), [list(p) for p in prompts])
+        state, _ = smp.extend(params, smp.init(), [list(p) for p in prompts])
         done, pieces = 0, []
         while done < new:
             budget = min(chunk, new - done)
@@ -146,16 +147,17 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, cfg.vocab_size, size=held)) for _ in range(B)]
     rows = greedy_rows(B, new)
-    samplers = {c: S.Sampler(cfg, slots=B, max_len=c, max_new_tokens=new) for c in capacities}
-    states = {c: samplers[c].extend(params, samplers[c].init(), prompts) for c in capacities}
+    samplers = {c: Sampler(cfg, slots=B, max_len=c, max_new_tokens=new) for c in capacities}
+    states = {c: samplers[c].extend(params, samplers[c].init(), prompts)[0] for c in capacities}
     keys = jax.random.split(jax.random.PRNGKey(0), B)
+    decode = jax.jit(functools.partial(S.decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,))
 
     def one(c, windowed):
         smp = samplers[c]
         state = jax.block_until_ready(jax.tree.map(jnp.copy, states[c]))  # decode donates its state; copied before the clock starts
         window = smp.window(state, rows[3], new) if windowed else c
         start = time.perf_counter()
-        jax.block_until_ready(smp._decode(params, state, keys, *rows, max_new_tokens=new, window=window))
+        jax.block_until_ready(decode(params, state, keys, *rows, max_new_tokens=new, window=window))
         return (time.perf_counter() - start) / new * 1e3
 
     times = {(c, w): [] for c in capacities for w in (True, False)}

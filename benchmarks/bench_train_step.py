@@ -7,7 +7,7 @@ For each config (``tiny``: the embedded default's policy, B32 x T384; ``30m``: a
 layers, hidden 512, vocabulary 32k, B8 x T512) one optimizer step on a batch of full rows:
 
 * **mtrl-jax**: the jitted update of ``mtrl_jax.rl.train_step`` (advantages, token log-probs and
-  entropy, the PPO loss, backward, gradient clipping, Adam), in the configuration the README
+  entropy, the PPO loss, backward, gradient clipping, Adam), in the configuration docs/benchmarks.md
   recommends for CPU (float32, no remat, layers unrolled, chunked causal attention, the
   log-probs in one chunk so the logits are held rather than recomputed);
 * **HF**: the same weights exported with ``save_hf_checkpoint`` and loaded by transformers'
@@ -45,13 +45,12 @@ import pathlib
 import statistics
 import tempfile
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import alternate_checkouts, import_torch, machine_line, model_config, ratio
+from benchmarks.common import alternate, alternate_checkouts, import_torch, machine_line, model_config, ratio
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.model.hf_io import save_hf_checkpoint
 from mtrl_jax.model.transformer import MLP, Transformer, causal_attention
@@ -102,12 +101,25 @@ def matmul_peak(repeats: int, torch=None) -> tuple[float, float]:
     return flops / statistics.median(jax_times), (flops / statistics.median(torch_times) if torch_times else 0.0)
 
 
-def project_side(cfg: ModelConfig, batch: TrajectoryBatch):
+# The project's update settings measured against torch: "default" is configs/default.py's (micro-batches of 4
+# rows, each at its own length; log-probs in chunks of 4,096 tokens; attention in query chunks of 256),
+# "one_batch" the whole batch as one micro-batch with the logits held (one chunk) and attention chunks of 128.
+SETTINGS = {"default": dict(attention_chunk=256, rows_per_micro_batch=4, logprob_chunk=4096),
+            "one_batch": dict(attention_chunk=128, rows_per_micro_batch=0, logprob_chunk=0)}
+
+
+def setting_config(name: str, setting: str) -> ModelConfig:
+    """Model shape ``name`` with the CPU runtime settings of ``setting``: float32, no remat, layers unrolled."""
+    return model_config(name, scan_unroll=0, attention_chunk=SETTINGS[setting]["attention_chunk"])
+
+
+def project_side(cfg: ModelConfig, batch: TrajectoryBatch, setting: str = "default"):
+    B, T = batch.tokens.shape
+    rows = SETTINGS[setting]["rows_per_micro_batch"] or B
     update_cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo", loss_options=(("clip_dual", CLIP_DUAL), ("clip_high", CLIP_HIGH),
                                                                                     ("clip_low", CLIP_LOW))),
-                              advantage="grpo", old_logp="behaviour", mini_batches=1, micro_batches=1,
-                              logprob_chunk=batch.tokens.size,  # one chunk: the logits are held, not recomputed
-                              length_bucket=batch.tokens.shape[1])
+                              advantage="grpo", old_logp="behaviour", mini_batches=1, micro_batches=B // rows,
+                              logprob_chunk=SETTINGS[setting]["logprob_chunk"] or B * T, length_bucket=T)
     tx = make_optimizer(LR, 100, grad_clip=1.0)
     updater = Updater(cfg, update_cfg, tx)
     params = init_params(cfg, jax.random.PRNGKey(0))
@@ -213,31 +225,13 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
     return pairs
 
 
-def compare(ours, theirs, repeats: int) -> tuple[float, Optional[float]]:
-    """Median seconds of each (``theirs`` may be None), one warm-up call each, then alternated."""
-    ours()
-    if theirs is not None:
-        theirs()
-    ours_t, theirs_t = [], []
-    for _ in range(repeats):
-        timed(ours, ours_t)
-        if theirs is not None:
-            timed(theirs, theirs_t)
-    return statistics.median(ours_t), (statistics.median(theirs_t) if theirs_t else None)
-
-
-def cpu_config(name: str) -> ModelConfig:
-    """The README's CPU settings: float32, no remat, layers unrolled, chunked causal attention."""
-    return model_config(name, scan_unroll=0, attention_chunk=128)
-
-
 def child(name: str, repeats: int) -> None:
     """``--child``: the project's update alone (whichever ``mtrl_jax`` is on the path), its median seconds."""
     B, T = BATCH[name]
-    cfg = cpu_config(name)
+    cfg = setting_config(name, "default")
     _, ours = project_side(cfg, make_batch(cfg, B, T))
-    seconds, _ = compare(ours, None, repeats)
-    print(f"median_seconds {seconds}")
+    seconds, _ = alternate({"ours": ours}, repeats)
+    print(f"median_seconds {seconds['ours']}")
 
 
 def against_baseline(args) -> None:
@@ -274,24 +268,30 @@ def main(argv=None):
           + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "") + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
     for name in args.configs.split(","):
         B, T = BATCH[name]
-        cfg = cpu_config(name)
-        batch = make_batch(cfg, B, T)
-        params, ours = project_side(cfg, batch)
-        theirs = None if torch is None else hf_side(cfg, params, batch, torch, transformers)
-        ours_s, theirs_s = compare(ours, theirs, args.repeats)
-        tokens, flops = B * T, model_flops(cfg, B, T)
-        line = (f"{name} (B{B} x T{T}): mtrl-jax {tokens / ours_s:,.0f} tokens/s ({ours_s * 1e3:.0f} ms, "
-                f"{flops / ours_s / peak:.0%} of peak)")
-        if theirs_s is not None:
-            line += (f"; HF torch {tokens / theirs_s:,.0f} tokens/s ({theirs_s * 1e3:.0f} ms, {flops / theirs_s / peak:.0%} of peak)"
-                     f"; ratio {theirs_s / ours_s:.2f}x")
-        print(line, flush=True)
+        sides, tokens = {}, B * T
+        for setting in SETTINGS:
+            cfg = setting_config(name, setting)
+            batch = make_batch(cfg, B, T)
+            params, sides[f"mtrl-jax {setting}"] = project_side(cfg, batch, setting)
+        if torch is not None:
+            sides["HF torch"] = hf_side(cfg, params, batch, torch, transformers)
+        seconds, _ = alternate(sides, args.repeats)
+        flops = model_flops(cfg, B, T)
+        print(f"{name} (B{B} x T{T}), medians of {args.repeats} alternated calls:", flush=True)
+        for side, t in seconds.items():
+            line = f"  {side:20s} {tokens / t:9,.0f} tokens/s ({t * 1e3:7.0f} ms, {flops / t / peak:.0%} of peak)"
+            if "HF torch" in seconds and side != "HF torch":
+                line += f"; {ratio(t, seconds['HF torch'])} HF torch"
+            print(line, flush=True)
+        fastest = min(SETTINGS, key=lambda setting: seconds[f"mtrl-jax {setting}"])
+        slowest = max(seconds[f"mtrl-jax {setting}"] for setting in SETTINGS)
+        print(f"  fastest setting: {fastest} ({ratio(seconds[f'mtrl-jax {fastest}'], slowest)} the other)", flush=True)
         if args.components:
-            for part, ours, theirs in component_pairs(cfg, B, T, torch):
-                ours_s, theirs_s = compare(ours, theirs, args.repeats)
-                print(f"  {part}, forward + backward: mtrl-jax {ours_s * 1e3:.1f} ms"
-                      + (f", torch {theirs_s * 1e3:.1f} ms, ratio {theirs_s / ours_s:.2f}x" if theirs_s else ""), flush=True)
-
+            for part, ours, theirs in component_pairs(setting_config(name, "default"), B, T, torch):
+                parts, _ = alternate({"ours": ours, **({"theirs": theirs} if theirs else {})}, args.repeats)
+                print(f"  {part}, forward + backward: mtrl-jax {parts['ours'] * 1e3:.1f} ms"
+                      + (f", torch {parts['theirs'] * 1e3:.1f} ms, ratio {ratio(parts['ours'], parts['theirs'])}" if theirs else ""),
+                      flush=True)
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ def get_config():
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
     # 0: max_epochs * (train tasks // global_batch_size). 48: with 64 the hop spreads to lookups again, with
-    # 32 it is not yet learnt on every seed (RL-only runs from the same warm-ups, README "How long RL runs")
+    # 32 it is not yet learnt on every seed (RL-only runs from the same warm-ups, docs/decisions.md)
     c.max_steps = 48
     # JAX's persistent compilation cache: a later run (a rerun, another arm of an ablation, a resumed
     # run) loads the programs an earlier one compiled instead of compiling them again, which is minutes
@@ -41,7 +41,7 @@ def get_config():
     # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
     c.model.attention_impl = ""
     # each chunk is its own einsums in every compiled program: 256 rather than 128 compiles the update's
-    # length branches and the warm-up's shapes in less time (scripts/bench_compile.py), for a few more
+    # length branches and the warm-up's shapes in less time (docs/decisions.md), for a few more
     # scores computed and masked (the causal triangle's half of each chunk)
     c.model.attention_chunk = 256
     # layers per iteration of the layer loop; 0 = all: no loop, whose backward pass on CPU moves every
@@ -103,7 +103,7 @@ def get_config():
     c.rl.loss_options = ""
     # grpo:std_floor=0.1: GRPO divides by max(std_g, 0.1), so a lookup group whose hops gain 0.03 is not scaled
     # up to unit advantages like a multihop group's 0.5 (with the plain group std RL spreads the hop to
-    # lookups; with the batch std describe questions stay on BM25: README, "How RL scales advantages")
+    # lookups; with the batch std describe questions stay on BM25: docs/decisions.md)
     c.rl.advantage_options = "grpo:std_floor=0.1"
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
@@ -116,7 +116,7 @@ def get_config():
     c.rl.micro_batches = 8  # of 4 rows each, sorted by length: each is computed at its own length
     # a micro-batch is computed at its longest row rounded up to length_bucket: one compiled branch per
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
-    c.rl.length_bucket = 48  # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (README)
+    c.rl.length_bucket = 48  # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (docs/decisions.md)
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     # dynamic sampling (DAPO): drop groups whose rewards are all equal (no group-relative signal); with
     # filter_max_extra_groups > 0, first generate up to that many extra groups (random training tasks)
@@ -135,12 +135,12 @@ def get_config():
 
     c.warmup = config_dict.ConfigDict()
     # 0: no supervised warm-up (real checkpoints). The tiny policy must learn to copy an identifier out of
-    # search results for RL to learn the hop: after 2,400 steps one seed of three had (README), after 3,000 all
+    # search results for RL to learn the hop: after 2,400 steps one seed of three had (docs/decisions.md), after 3,000 all
     c.warmup.steps = 3000
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3
     # compute the tokens every demonstration opens with (system prompt) once per step, not in every row:
-    # the same losses and gradients, about 1.5x faster steps (scripts/bench_warmup.py)
+    # the same losses and gradients, about 1.5x faster steps (docs/decisions.md)
     c.warmup.share_prefix = True
     # the steps' views of the demonstrations: one in full_every trains on whole ones, one in two_turn_every
     # (0: none) on them cut after their second turn (the hop's copy; most of the warm-up's time, since

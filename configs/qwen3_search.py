@@ -43,7 +43,7 @@ def get_config():
     c.rl.mini_batches = 4
     c.rl.micro_batches = 4
     c.rl.kl_coef = 0.0  # no reference copy of the parameters; set e.g. 0.001 for a KL anchor
-    # GRPO's group std, as in the README's figures for this config (the default's batch std, grpo:scale=batch,
+    # GRPO's group std (the default's floor under it, grpo:std_floor=0.1,
     # was chosen for the synthetic collection's query types; it is one flag: --config.rl.advantage_options=...)
     c.rl.advantage_options = ""
     c.optim.learning_rate = 1e-6

@@ -45,7 +45,7 @@ def get_config():
     c.rl.length_bucket = 256
     c.rl.logprob_chunk = 1024  # the 49k-entry vocabulary: logits in chunks of 1,024 tokens
     c.rl.kl_coef = 0.0  # no reference copy of the parameters
-    # GRPO's group std, as in the README's figures for this config (the default's batch std, grpo:scale=batch,
+    # GRPO's group std (the default's floor under it, grpo:std_floor=0.1,
     # was chosen for the synthetic collection's query types; it is one flag: --config.rl.advantage_options=...)
     c.rl.advantage_options = ""
     c.optim.learning_rate = 1e-6

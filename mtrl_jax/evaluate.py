@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from mtrl_jax import distributed
+from mtrl_jax import distributed, rng
 from mtrl_jax.checkpoint import Checkpoints, abstract_state
 from mtrl_jax.metrics import summarize, write_trajectories
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
@@ -90,7 +90,7 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
                                         tool_workers=0)  # deterministic; no more rows than episodes
     collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg,
                           PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0), components.rollout_mesh)
-    key = jax.random.PRNGKey(config.seed + 3)
+    key = rng.key(config.seed, "evaluate")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in components.collections:

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from mtrl_jax.rl.advantages import passk_weights
+from mtrl_jax.rollout.selection import all_equal
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -170,11 +171,6 @@ def type_metrics(groups: Sequence[Sequence]) -> dict:
         if advantages:
             out[prefix + "adv_abs_mean"] = float(np.mean(advantages))
     return out
-
-
-def all_equal(group: Sequence) -> bool:
-    """Whether every trajectory of ``group`` has the same reward (a group with no GRPO signal)."""
-    return len({float(t.reward) for t in group}) == 1
 
 
 def flatten(d: dict, prefix: str) -> dict:

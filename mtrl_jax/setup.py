@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import jax
 import optax
 
-from mtrl_jax import distributed
+from mtrl_jax import distributed, rng
 from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
 from mtrl_jax.data.collection import Collection, Task, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
@@ -31,8 +31,8 @@ from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
-from mtrl_jax.rollout.dynamic_sampling import TRUNCATION_MODES
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
+from mtrl_jax.rollout.selection import TRUNCATION_MODES
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.search.tools import check_service
@@ -61,7 +61,7 @@ class RunSettings:
     log_trajectories: bool
     log_progress: bool
     max_nonfinite_steps: int  # RL steps in a row with a skipped (non-finite) optimizer step before the run stops
-    filter_groups: bool = False  # drop groups whose rewards are all equal (rollout.dynamic_sampling)
+    filter_groups: bool = False  # drop groups whose rewards are all equal (rollout.selection)
     filter_max_extra_groups: int = 0  # with filter_groups: extra groups a step may generate to refill its batch
     truncation: str = "penalty"  # failed episodes: "penalty" (trained with reward -1) or "mask" (no gradient)
 
@@ -133,7 +133,7 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
         except ValueError:
             raise ValueError(f"data.weights: {config.data.weights!r} must be comma-separated numbers") from None
         total = sum(len(t) for t in train.values())
-        train_tasks = mixture(train, weight_map, total, seed=config.seed)
+        train_tasks = mixture(train, weight_map, total, seed=rng.numpy_seed(config.seed, "mixture"))
     else:
         train_tasks = [t for name in collections for t in train[name]]
     if not train_tasks:
@@ -241,7 +241,7 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
                       num_layers=m.tiny_layers, num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads,
                       head_dim=m.tiny_head_dim, model_type="qwen3", qk_norm=True, tie_word_embeddings=True,
                       rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, **runtime)
-    return cfg, init_params(cfg, jax.random.PRNGKey(config.seed), mesh)
+    return cfg, init_params(cfg, rng.key(config.seed, "params"), mesh)
 
 
 def update_config(config) -> UpdateConfig:
@@ -273,7 +273,7 @@ def collector_config(config) -> CollectorConfig:
                            precompile=r.precompile, share_prefixes=r.share_prefixes)
 
 
-def _run_settings(config, rows_divisor: int) -> RunSettings:
+def run_settings(config, rows_divisor: int) -> RunSettings:
     """Checked before any data is loaded; ``total_steps`` is filled in once the task count is known."""
     for field in ("global_batch_size", "max_epochs"):
         if config[field] < 1:
@@ -311,7 +311,7 @@ def _run_settings(config, rows_divisor: int) -> RunSettings:
         filter_max_extra_groups=config.rl.filter_max_extra_groups, truncation=config.rl.truncation)
 
 
-def _warmup_settings(config) -> Optional[WarmupSettings]:
+def warmup_settings(config) -> Optional[WarmupSettings]:
     w = config.warmup
     if not w.steps or config.model.checkpoint:
         return None
@@ -363,8 +363,8 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     use_compilation_cache(config)
     update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
     collector_cfg = collector_config(config)
-    warmup = _warmup_settings(config)
-    run = _run_settings(config, update_cfg.rows_per_micro_batch_divisor)
+    warmup = warmup_settings(config)
+    run = run_settings(config, update_cfg.rows_per_micro_batch_divisor)
     collections, train_tasks, val_tasks = build_data(config)
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch

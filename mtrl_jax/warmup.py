@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mtrl_jax import rng as seeds
 from mtrl_jax.chat import render_answer, render_tool_call
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
@@ -228,12 +229,12 @@ def decision_untrained(mask: Sequence[int]) -> list[int]:
     """``mask`` with no loss on the second assistant turn's first token: the choice between a second
     search and an answer (a hop drill's hop is forced, so that choice is not the teacher's)."""
     mask = list(mask)
-    start = mask.index(1, _turn_end(mask, 1))
+    start = mask.index(1, turn_end(mask, 1))
     mask[start] = 0
     return mask
 
 
-def _turn_end(mask: Sequence[int], turns: int) -> int:
+def turn_end(mask: Sequence[int], turns: int) -> int:
     """Index just past the ``turns``-th run of assistant tokens (the whole length when there are fewer)."""
     end, seen = 0, 0
     mask = list(mask)
@@ -248,7 +249,7 @@ def _turn_end(mask: Sequence[int], turns: int) -> int:
     return end
 
 
-def _assistant_turns(mask: Sequence[int]) -> int:
+def assistant_turns(mask: Sequence[int]) -> int:
     return sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
 
 
@@ -320,7 +321,7 @@ def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared
 
 
 def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
-                      batch_size: int, learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
+                      batch_size: int, learning_rate: float, seed=0, log_every: int = 50, log=print,
                       full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
                       two_turn_every: int = 2,
                       should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512,
@@ -362,10 +363,10 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         return group_of, groups
 
     full = grouped(len)
-    prefixes = after_prefix(_pack([(t[:_turn_end(m, 1)], m[:_turn_end(m, 1)]) for t, m in demos]))
+    prefixes = after_prefix(_pack([(t[:turn_end(m, 1)], m[:turn_end(m, 1)]) for t, m in demos]))
     # with demonstrations of more than two turns (the teacher's hops), one step in two_turn_every trains on
     # them cut after their second turn: the hop's call (copied from the first results) or the answer there
-    two_turns = (grouped(lambda m: _turn_end(m, 2)) if two_turn_every and any(_assistant_turns(m) > 2 for _, m in demos)
+    two_turns = (grouped(lambda m: turn_end(m, 2)) if two_turn_every and any(assistant_turns(m) > 2 for _, m in demos)
                  else None)
 
     step = warmup_step(model_cfg, tx, shared, logprob_chunk)
@@ -399,7 +400,7 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
     augmented variants (``components.warmup`` settings), rendered through the episode driver; the
     same, seeded, on every call."""
     cfg = components.warmup
-    rng = np.random.default_rng(components.run.seed)
+    rng = np.random.default_rng(seeds.numpy_seed(components.run.seed, "demonstrations"))
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
     demos = []
@@ -409,7 +410,7 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
                 tokens, mask = demonstration_tokens(driver, variant, settings_teacher(cfg, rng, hop=1.0))
-                if _assistant_turns(mask) > 2:
+                if assistant_turns(mask) > 2:
                     demos.append((tokens, decision_untrained(mask)))
     return demos
 
@@ -422,6 +423,21 @@ def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = No
     log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else ""))
     return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
-                             seed=components.run.seed, log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
+                             seed=seeds.numpy_seed(components.run.seed, "warmup_batches"), log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
                              logprob_chunk=components.updater.config.logprob_chunk, share_prefix=cfg.share_prefix,
                              full_every=cfg.full_every, two_turn_every=cfg.two_turn_every)
+
+
+def resume_or_warm_up(components, checkpoints, params, log=print, should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+    """The warm-up of ``params``, continued from the progress saved in the work directory
+    (``checkpoints.restore_warmup``), its progress saved again at the end or when ``should_stop()``
+    turned true (then ``step < steps``: the caller stops, and the next run continues it exactly)."""
+    cfg = components.warmup
+    like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, params)
+    saved = checkpoints.restore_warmup(params, like_opt)
+    progress = None if saved is None else WarmupProgress(saved[0], saved[1], saved[2]["step"], saved[2]["rng_state"],
+                                                          saved[2]["losses"])
+    if progress is None or progress.step < cfg.steps:
+        progress = warm_up(components, params, log=log, resume=progress, should_stop=should_stop)
+        checkpoints.save_warmup(progress.params, progress.opt_state, progress.step, progress.rng_state, progress.losses)
+    return progress

@@ -16,7 +16,8 @@ from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
 from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
-from mtrl_jax.rollout.staleness import AsyncRollouts, filter_stale
+from mtrl_jax.rollout.selection import filter_stale
+from mtrl_jax.rollout.staleness import AsyncRollouts
 from mtrl_jax.rollout.trajectory import Trajectory
 
 

@@ -4,7 +4,6 @@ the tensor-name map and llama.cpp's rotary permutation undone."""
 import hashlib
 import json
 import pathlib
-import sys
 import zipfile
 
 import numpy as np

@@ -23,3 +23,30 @@ def test_adding_a_loss_or_an_advantage_estimator():
         assert "reinforce_with_floor" in losses.names() and "median_baseline" in advantages.names()
     # the global registries are as they were: other tests never see the README's entries
     assert "reinforce_with_floor" not in losses.names() and "median_baseline" not in advantages.names()
+
+
+def test_the_readme_is_a_front_door():
+    """At most 300 lines, no commit names (figures and their commits live in docs/results.md), and the
+    results table, the quick start and the module map come first."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300, len(text.splitlines())
+    commits = {w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search("[a-f]", w) and re.search("[0-9]", w)}
+    assert not commits, f"commit-like names in the README: {sorted(commits)}"
+    sections = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert sections[:3] == ["Quick start", "What a run writes", "Module map"], sections
+    assert text.index("| what | result |") < text.index("## Quick start")  # the results table, before any section
+
+
+def test_every_benchmark_has_its_row_in_the_results():
+    docs = README.parent / "docs"
+    results = (docs / "results.md").read_text()
+    benchmarks = sorted(p.stem for p in (README.parent / "benchmarks").glob("bench_*.py"))
+    assert benchmarks
+    for name in benchmarks:
+        rows = [line for line in results.splitlines() if line.startswith(f"| {name} |")]
+        assert len(rows) == 1, f"docs/results.md: {len(rows)} rows for {name}"
+        assert f"python -m benchmarks.{name}" in rows[0]
+    decisions = (docs / "decisions.md").read_text()
+    assert "| kept" in decisions and "| reverted" in decisions
+    for link in re.findall(r"\]\((docs/[^)]+)\)", README.read_text()):
+        assert (README.parent / link).exists(), link

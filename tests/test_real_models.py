@@ -14,7 +14,7 @@ import pytest
 import tools.make_real_fixtures as R
 from mtrl_jax.chat import TemplateChat
 from mtrl_jax.model import compute_logits, load_hf_checkpoint, save_hf_checkpoint
-from mtrl_jax.rollout import sampler as S
+from mtrl_jax.rollout.engine import Sampler
 
 LOGIT_TOL = 2e-4
 
@@ -64,8 +64,8 @@ def test_greedy_decoding_matches_transformers_generate(real):
     name, _, fixture, _, model, params = real
     prompts = [fixture[f"greedy{i}_prompt"] for i in range(3)]
     new = R.GREEDY_TOKENS
-    smp = S.Sampler(model.config, slots=len(prompts), max_len=max(map(len, prompts)) + new, max_new_tokens=new)
-    state = smp.extend(params, smp.init(), [list(p) for p in prompts])
+    smp = Sampler(model.config, slots=len(prompts), max_len=max(map(len, prompts)) + new, max_new_tokens=new)
+    state, _ = smp.extend(params, smp.init(), [list(p) for p in prompts])
     B = len(prompts)
     out = smp.decode(params, state, jax.random.split(jax.random.PRNGKey(0), B), np.zeros(B, np.float32), np.ones(B, np.float32),
                      np.full((B, 1), -1, np.int32), np.ones(B, bool), np.full(B, new, np.int32))[1]

@@ -417,7 +417,7 @@ def test_answers_carry_ids_with_commas_exactly(shared_data):
 
 
 def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
-    from mtrl_jax.trainer import NonFiniteGuard
+    from mtrl_jax.rl.train_step import NonFiniteGuard
 
     guard = NonFiniteGuard(limit=3)
     for step, skipped in enumerate([1, 2, 0, 1, 1], start=1):  # the finite step in between resets the count

@@ -9,6 +9,7 @@ import pytest
 
 from mtrl_jax.model import compute_logits, load_hf_checkpoint
 from mtrl_jax.rl.logprobs import sequence_logprobs
+from mtrl_jax.rollout import engine as E
 from mtrl_jax.rollout import sampler as S
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -22,8 +23,8 @@ def model_params():
 
 def _run(model_params, temperature, top_p=(1.0, 1.0, 1.0), seed=0, stop=((-1,),) * 3, max_new=12, max_len=64):
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=max_len, max_new_tokens=max_new)
-    state = smp.extend(params, smp.init(), PROMPTS)
+    smp = E.Sampler(model.config, slots=3, max_len=max_len, max_new_tokens=max_new)
+    state, _ = smp.extend(params, smp.init(), PROMPTS)
     return smp.decode(params, state, jax.random.PRNGKey(seed), temperature, top_p, stop, [True] * 3)
 
 
@@ -66,9 +67,9 @@ def test_prefill_then_extend_equals_prefill_of_concatenation(model_params):
     model, params = model_params
     cfg = model.config
     extra = [[3, 4, 5], [], [6, 7, 8, 9, 10, 11]]
-    smp = S.Sampler(cfg, slots=3, max_len=64, max_new_tokens=4)
-    two_step = smp.extend(params, smp.extend(params, smp.init(), PROMPTS), extra)
-    one_step = smp.extend(params, smp.init(), [p + e for p, e in zip(PROMPTS, extra)])
+    smp = E.Sampler(cfg, slots=3, max_len=64, max_new_tokens=4)
+    two_step, _ = smp.extend(params, smp.extend(params, smp.init(), PROMPTS)[0], extra)
+    one_step, _ = smp.extend(params, smp.init(), [p + e for p, e in zip(PROMPTS, extra)])
     np.testing.assert_array_equal(two_step.lengths, one_step.lengths)
     np.testing.assert_allclose(S.next_token_logits(cfg, params, two_step), S.next_token_logits(cfg, params, one_step), atol=1e-4)
     # and both equal the plain forward's last-position logits
@@ -96,8 +97,8 @@ def test_stopped_row_writes_nothing_more(model_params):
 
 def test_inactive_rows_and_cache_full(model_params):
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=16, max_new_tokens=12)
-    state = smp.extend(params, smp.init(), PROMPTS)
+    smp = E.Sampler(model.config, slots=3, max_len=16, max_new_tokens=12)
+    state, _ = smp.extend(params, smp.init(), PROMPTS)
     before = np.asarray(state.cache.k[:, 0])
     state, out = smp.decode(params, state, jax.random.PRNGKey(0), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [False, True, True])
     assert S.STOP_REASONS[int(out.stop_reason[0])] == "inactive" and int(out.num_tokens[0]) == 0
@@ -111,14 +112,14 @@ def test_a_call_ending_at_a_window_edge_below_the_capacity_is_not_a_full_cache(m
     """56 tokens + 8 new ones fill the 64-slot window exactly: the call ends at its token budget, not
     with a full cache (the cache holds 256), and the next call goes on in the next window."""
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=256, max_new_tokens=8)
-    state = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
+    smp = E.Sampler(model.config, slots=3, max_len=256, max_new_tokens=8)
+    state, _ = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
     for call in range(2):
         state, out = smp.decode(params, state, jax.random.PRNGKey(call), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
         assert [S.STOP_REASONS[int(r)] for r in out.stop_reason] == ["max_new_tokens"] * 3
     assert list(np.asarray(state.lengths)) == [72, 18, 17]
-    smp = S.Sampler(model.config, slots=3, max_len=64, max_new_tokens=8)  # at the cache's own end it is full
-    state = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
+    smp = E.Sampler(model.config, slots=3, max_len=64, max_new_tokens=8)  # at the cache's own end it is full
+    state, _ = smp.extend(params, smp.init(), [list(range(1, 57)), [3, 4], [5]])
     _, out = smp.decode(params, state, jax.random.PRNGKey(0), [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
     assert S.STOP_REASONS[int(out.stop_reason[0])] == "cache_full" and int(out.num_tokens[0]) == 8
 
@@ -126,11 +127,11 @@ def test_a_call_ending_at_a_window_edge_below_the_capacity_is_not_a_full_cache(m
 def test_samples_do_not_depend_on_slot_or_call_split(model_params):
     model, params = model_params
     keys = jax.random.split(jax.random.PRNGKey(5), 3)
-    smp = S.Sampler(model.config, slots=3, max_len=64, max_new_tokens=12)
-    state = smp.extend(params, smp.init(), PROMPTS)
+    smp = E.Sampler(model.config, slots=3, max_len=64, max_new_tokens=12)
+    state, _ = smp.extend(params, smp.init(), PROMPTS)
     _, whole = smp.decode(params, state, keys, [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3)
     # rows in reverse slots, decoded in two calls of 5 and 7 tokens
-    state = smp.extend(params, smp.init(), PROMPTS[::-1])
+    state, _ = smp.extend(params, smp.init(), PROMPTS[::-1])
     state, first = smp.decode(params, state, keys[::-1], [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3, budget=[5] * 3)
     _, second = smp.decode(params, state, keys[::-1], [1.0] * 3, [1.0] * 3, [[-1]] * 3, [True] * 3, budget=[7] * 3)
     split = np.concatenate([np.asarray(first.tokens)[:, :5], np.asarray(second.tokens)[:, :7]], axis=1)[::-1]
@@ -173,13 +174,12 @@ def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     model, params = model_params
     cfg = model.config
     copy = lambda st: jax.tree.map(jnp.copy, st)  # noqa: E731 - extend donates its state
-    smp = S.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=8)
-    start = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
+    smp = E.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=8)
+    start, _ = smp.extend(params, smp.init(), PROMPTS + [[7, 8]])
 
     def check(blocks, computed, sampler=smp):
-        before = sampler.tokens_computed
-        pieces = sampler.extend(params, copy(start), blocks)
-        assert sampler.tokens_computed - before == computed
+        pieces, counts = sampler.extend(params, copy(start), blocks)
+        assert counts.computed == computed
         tokens = np.zeros((4, max(len(b) for b in blocks)), np.int32)
         for row, block in enumerate(blocks):
             tokens[row, :len(block)] = block
@@ -195,44 +195,44 @@ def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
     # 10 + 5 + 1 pieces: more than max_lines, so two calls, the first pieces of every row first
     check([list(range(1, 80)), [9] * 40, [], [4]], 2 * 8 * 8)
     # 17 pieces: 16 lines, then 8 (one of them useful), rather than 32 lines with 15 of padding
-    wide = S.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=64)
+    wide = E.Sampler(cfg, slots=4, max_len=128, max_new_tokens=4, piece=8, max_lines=64)
     check([list(range(1, 70)), [9] * 40, [3] * 20, []], (16 + 8) * 8, wide)
 
 
 def test_extend_calls_pad_at_most_a_quarter_of_their_lines_where_splitting_saves_lines():
-    assert S.call_lines(40, 256, 0.75) == [32, 8]  # not 64
-    assert S.call_lines(17, 256, 0.75) == [16, 8]  # not 32
-    assert S.call_lines(9, 256, 0.75) == [16]  # 8 + 8 would compute as many lines, in two calls
-    assert S.call_lines(600, 256, 0.75) == [256, 256, 64, 32]
-    assert S.call_lines(40, 256, 0.0) == [64] and S.call_lines(600, 256, 0.0) == [256, 256, 128]  # fill 0: pad
+    assert E.call_lines(40, 256, 0.75) == [32, 8]  # not 64
+    assert E.call_lines(17, 256, 0.75) == [16, 8]  # not 32
+    assert E.call_lines(9, 256, 0.75) == [16]  # 8 + 8 would compute as many lines, in two calls
+    assert E.call_lines(600, 256, 0.75) == [256, 256, 64, 32]
+    assert E.call_lines(40, 256, 0.0) == [64] and E.call_lines(600, 256, 0.0) == [256, 256, 128]  # fill 0: pad
     for n in range(1, 700):
-        sizes = S.call_lines(n, 256, 0.75)
+        sizes = E.call_lines(n, 256, 0.75)
         assert all(s in (8, 16, 32, 64, 128, 256) for s in sizes)  # the same shapes as one padded call
         assert sum(sizes[:-1]) < n <= sum(sizes)  # every call but the last is full
-        assert sum(sizes) <= sum(S.call_lines(n, 256, 0.0))  # never more lines than padding
+        assert sum(sizes) <= sum(E.call_lines(n, 256, 0.0))  # never more lines than padding
         assert sum(sizes) - n <= max(7, 0.25 * sum(sizes))  # padding: at most a quarter, or what 8 lines leave
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_bucketed_shapes_reuse_compiled_programs(model_params):
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3, piece=16)  # shapes no other test compiles
+    smp = E.Sampler(model.config, slots=3, max_len=96, max_new_tokens=3, piece=16)  # shapes no other test compiles
     compiled = lambda fn: fn._cache_size()  # noqa: E731 - programs in the jit cache (one per new shape)
     extend0, decode0 = compiled(smp._extend), compiled(smp._decode)
     state = smp.init()
     for n in [3, 9, 16, 5, 12, 2]:  # at most 8 pieces of 16 per call, rows within the first 64-slot window
-        state = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
+        state, _ = smp.extend(params, state, [[1] * n, [2] * (n // 2), []])
     assert compiled(smp._extend) - extend0 == 1
-    state = smp.extend(params, state, [[1] * 17, [], [3]])  # a longer block is more pieces: the same program
+    state, _ = smp.extend(params, state, [[1] * 17, [], [3]])  # a longer block is more pieces: the same program
     assert compiled(smp._extend) - extend0 == 1
-    state = smp.extend(params, state, [[1] * 30, [], [3]])  # the longest row passes 64 slots: the 96-slot window
+    state, _ = smp.extend(params, state, [[1] * 30, [], [3]])  # the longest row passes 64 slots: the 96-slot window
     assert compiled(smp._extend) - extend0 == 2
-    state = smp.extend(params, state, [[1] * 2, [], [3]])  # and stays there
+    state, _ = smp.extend(params, state, [[1] * 2, [], [3]])  # and stays there
     assert compiled(smp._extend) - extend0 == 2
     for seed, temp in enumerate([0.5, 1.0, 0.0]):  # new temperatures are arrays: no recompile
         state, _ = smp.decode(params, state, jax.random.PRNGKey(seed), [temp] * 3, [0.9] * 3, [[-1]] * 3, [True] * 3)
     assert compiled(smp._decode) - decode0 == 1
-    assert [S.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+    assert [E.bucket_length(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_precompiled_programs_serve_every_call_shape(model_params):
     from mtrl_jax.metrics import CompileCounter
 
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=96, max_new_tokens=4, piece=8, max_lines=16)
+    smp = E.Sampler(model.config, slots=3, max_len=96, max_new_tokens=4, piece=8, max_lines=16)
     extend_shapes, decode_windows = smp.call_shapes()
     assert extend_shapes == [(8, 64), (16, 64), (8, 96), (16, 96)] and decode_windows == [64, 96]
     stop = [[-1]] * 3
@@ -252,7 +252,7 @@ def test_precompiled_programs_serve_every_call_shape(model_params):
         for _ in range(6):  # blocks of 0-20 tokens per row, then 4 decoded tokens, until the cache is nearly full
             lengths = np.asarray(state.lengths)
             blocks = [list(rng.integers(1, 300, size=min(int(rng.integers(0, 21)), 96 - 4 - int(n)))) for n in lengths]
-            state = smp.extend(params, state, blocks)
+            state, _ = smp.extend(params, state, blocks)
             state, decoded = smp.decode(params, state, jax.random.PRNGKey(0), [0.0] * 3, [1.0] * 3, stop, [True] * 3)
             out.append((np.asarray(decoded.tokens), np.asarray(state.lengths), np.asarray(state.last_hidden)))
         return out
@@ -283,13 +283,13 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
     copy = lambda st: jax.tree.map(jnp.copy, st)  # noqa: E731 - extend donates its state
 
     def run(min_shared):
-        smp = S.Sampler(model.config, slots=4, max_len=128, max_new_tokens=4, piece=8, min_shared=min_shared)
-        states, computed = [], []
+        smp = E.Sampler(model.config, slots=4, max_len=128, max_new_tokens=4, piece=8, min_shared=min_shared)
+        states, computed, shared = [], [], []
 
         def extend(state, blocks, p=params):
-            before = smp.tokens_extended
-            state = smp.extend(p, state, blocks)
-            computed.append(smp.tokens_extended - before)
+            state, counts = smp.extend(p, state, blocks)
+            computed.append(counts.extended)
+            shared.append(counts.shared)
             states.append(copy(state))
             return state
 
@@ -300,7 +300,7 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
         state = extend(smp.reset_rows(state, [True, False, False, True]), [system + [4, 4], [5], [], system + [6, 6, 6]])
         # other parameters: nothing computed with the old ones is shared
         extend(smp.reset_rows(state, [True, False, False, False]), [system + [8], [], [], []], other)
-        return states, computed, smp.tokens_shared, np.asarray(out.tokens)
+        return states, computed, sum(shared), np.asarray(out.tokens)
 
     shared, computed, tokens_shared, decoded = run(4)
     plain, plain_computed, plain_shared, plain_decoded = run(0)
@@ -326,36 +326,36 @@ def test_decode_windows_start_above_the_shortest_prompt(model_params):
     """A decode call's rows hold a prompt of at least ``min_length`` tokens and attend to
     ``max_new_tokens`` more: the windows below that are not precompiled (no call takes them)."""
     model, _ = model_params
-    full = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48)
+    full = E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48)
     assert full.call_shapes()[1] == [64, 96, 128, 192, 256, 384, 512]  # two an octave
-    short = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)  # the default's
+    short = E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)  # the default's
     assert short.call_shapes()[1] == [192, 256, 384, 512]
     assert short.call_shapes()[0] == full.call_shapes()[0]  # extend: every window (a call may hold a prompt's first pieces)
-    assert S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=600).call_shapes()[1] == [512]
+    assert E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=600).call_shapes()[1] == [512]
 
 
 def test_decode_window_follows_the_rows_budgets(model_params):
     """A decode call attends to the smallest decode window that holds its longest active row plus
     that row's budget (at most ``max_new_tokens``), never one below the precompiled windows."""
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)
-    state = smp.extend(params, smp.init(), [[1] * 150, [2] * 90, [3] * 300])
+    smp = E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)
+    state, _ = smp.extend(params, smp.init(), [[1] * 150, [2] * 90, [3] * 300])
     active = np.array([True, True, False])
     assert smp.window(state, active, np.array([48, 48, 48])) == 256  # 150 + 48
     assert smp.window(state, active, np.array([30, 48, 48])) == 192  # 150 + 30 (the row stops at its budget)
     assert smp.window(state, active, 500) == 256  # a budget above max_new_tokens reads max_new_tokens more
     assert smp.window(state, np.array([False, True, False]), 10) == 192  # 100 fits 128, not precompiled: 192
     assert smp.window(state, np.array([False, False, True]), 48) == 384
-    assert S.window_for(97, 512, fine=True) == 128 and S.window_for(97, 512) == 128 and S.window_for(129, 512) == 256
-    assert S.windows(4096, 300, fine=True) == [384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert E.window_for(97, 512, fine=True) == 128 and E.window_for(97, 512) == 128 and E.window_for(129, 512) == 256
+    assert E.windows(4096, 300, fine=True) == [384, 512, 768, 1024, 1536, 2048, 3072, 4096]
 
 
 def test_the_decode_window_changes_no_sample(model_params):
     """Attending to a wider window (more masked slots) gives the same sampled tokens and the same
     behaviour log-probs: the windows are a cost choice, not a numerical one."""
     model, params = model_params
-    smp = S.Sampler(model.config, slots=3, max_len=256, max_new_tokens=16)
-    base = smp.extend(params, smp.init(), [list(range(1, 41)), [3, 4, 5], list(range(7, 30))])
+    smp = E.Sampler(model.config, slots=3, max_len=256, max_new_tokens=16)
+    base, _ = smp.extend(params, smp.init(), [list(range(1, 41)), [3, 4, 5], list(range(7, 30))])
     rows = (jax.random.split(jax.random.PRNGKey(5), 3), np.ones(3, np.float32), np.ones(3, np.float32),
             np.full((3, 1), -1, np.int32), np.ones(3, bool), np.full(3, 16, np.int32))
     outs = [smp._decode(params, jax.tree.map(jnp.copy, base), *rows, max_new_tokens=16, window=w)[1] for w in (64, 96, 256)]

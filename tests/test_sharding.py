@@ -114,10 +114,10 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
         assert not where["embed"].is_fully_replicated and not where["lm_head"].is_fully_replicated
     assert _spec(batch_in.tokens)[0] == ("data", "fsdp") and _spec(batch_in.reward)[0] == ("data", "fsdp")
 
-    from mtrl_jax.rollout import sampler as S
+    from mtrl_jax.rollout.engine import Sampler
 
-    smp = S.Sampler(cfg, slots=8, max_len=64, max_new_tokens=4, mesh=mesh)
-    sampler_state = smp.extend(params, smp.init(), [[1, 2, 3]] * 8)
+    smp = Sampler(cfg, slots=8, max_len=64, max_new_tokens=4, mesh=mesh)
+    sampler_state, _ = smp.extend(params, smp.init(), [[1, 2, 3]] * 8)
     assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), "tensor")
     rows = (jax.random.split(jax.random.PRNGKey(0), 8), np.ones(8, np.float32), np.ones(8, np.float32), np.full((8, 1), -1, np.int32),
             np.ones(8, bool), np.full(8, 4, np.int32))

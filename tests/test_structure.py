@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle (function-local imports included)."""
+"""The package's import graph keeps its layers: no cycle, and no module imports from a layer above its
+own (function-local imports included)."""
 
 import ast
 import pathlib
@@ -65,6 +66,39 @@ def test_no_import_cycle_in_the_package():
     assert "mtrl_jax.trainer" not in graph["mtrl_jax.evaluate"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+# Bottom to top; a module may import from its own layer and the ones below. A module is in the layer of the
+# longest prefix of its name listed here.
+LAYERS = (
+    ("mtrl_jax", "mtrl_jax.rng", "mtrl_jax.host", "mtrl_jax.chat"),  # foundations
+    ("mtrl_jax.model", "mtrl_jax.distributed", "mtrl_jax.data"),  # the policy, the mesh, the data
+    ("mtrl_jax.rl",),  # the RL math and the jitted update
+    ("mtrl_jax.rollout", "mtrl_jax.search"),  # episodes: sampler, environment, tools, collection
+    ("mtrl_jax.warmup", "mtrl_jax.checkpoint", "mtrl_jax.metrics"),  # around the update
+    ("mtrl_jax.setup",),  # config -> components
+    ("mtrl_jax.evaluate",),  # the evaluation job
+    ("mtrl_jax.trainer",),  # the loop
+)
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer of tests/test_structure.py: place it"
+    return max(matches)[1]
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    graph = import_graph()
+    upward = [f"{a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})" for a, edges in sorted(graph.items())
+              for b in sorted(edges) if layer_of(b) > layer_of(a)]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_of("mtrl_jax.rl.train_step") < layer_of("mtrl_jax.trainer")
+    assert layer_of("mtrl_jax") == 0 and layer_of("mtrl_jax.rollout.selection") == layer_of("mtrl_jax.search.env")
 
 
 def test_the_cycle_finder_finds_cycles():

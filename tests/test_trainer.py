@@ -200,7 +200,7 @@ def test_run_record_round_trips_and_garbled_records_name_the_checkpoint(tmp_path
 
 
 def test_group_truncation_keeps_whole_groups_that_split_evenly():
-    from mtrl_jax.trainer import trainable_groups
+    from mtrl_jax.rollout.selection import trainable_groups
 
     groups = [[f"g{i}s{j}" for j in range(4)] for i in range(7)]  # 7 groups of 4
     kept, left = trainable_groups(groups, rows_divisor=2)  # any number of groups of 4 splits in 2

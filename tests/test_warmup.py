@@ -164,10 +164,10 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
 
 
 def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
-    from mtrl_jax.warmup import _assistant_turns, _turn_end
+    from mtrl_jax.warmup import assistant_turns, turn_end
 
     mask = [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
-    assert [_turn_end(mask, n) for n in (1, 2, 3, 4)] == [4, 7, 10, 10] and _assistant_turns(mask) == 3
+    assert [turn_end(mask, n) for n in (1, 2, 3, 4)] == [4, 7, 10, 10] and assistant_turns(mask) == 3
 
 
 def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
@@ -201,7 +201,7 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
     def recording_step(model_cfg, tx, shared, logprob_chunk=512):
         def step(params, opt_state, tokens, attention, loss_mask):
             mask = np.asarray(loss_mask)
-            seen.append(max(warmup._assistant_turns(list(row)) for row in mask))  # turns the view holds
+            seen.append(max(warmup.assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0
         return step
 
@@ -299,7 +299,7 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
     import types
 
     from mtrl_jax.setup import WarmupSettings
-    from mtrl_jax.warmup import _assistant_turns, _turn_end, demonstrations
+    from mtrl_jax.warmup import assistant_turns, turn_end, demonstrations
 
     docs = [Document(f"d{i}", f"Project P-{i}", f'Key component: part "KX-48{i:02d}". Project P-{i} pumps') for i in range(20)]
     tasks = [Task(f"c/multihop-{i}", f"component of project P-{i}", {f"d{i}": 1}, "c") for i in range(6)]
@@ -315,16 +315,16 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
                                                     collector=types.SimpleNamespace(max_len=4096), train_tasks=tasks))
 
     plain = demos(0)
-    assert len(plain) == 6 and all(_assistant_turns(m) == 2 for _, m in plain)  # the teacher never hops on its own
+    assert len(plain) == 6 and all(assistant_turns(m) == 2 for _, m in plain)  # the teacher never hops on its own
     drilled = demos(2)
-    assert len(drilled) == 18 and sum(_assistant_turns(m) == 3 for _, m in drilled) == 12
+    assert len(drilled) == 18 and sum(assistant_turns(m) == 3 for _, m in drilled) == 12
     for tokens, mask in drilled:
-        if _assistant_turns(mask) == 2:
+        if assistant_turns(mask) == 2:
             continue
-        second = next(i for i in range(_turn_end(mask, 1), len(mask)) if tokens[i] == chat.tokenizer.token_to_id("<tool_call>"))
+        second = next(i for i in range(turn_end(mask, 1), len(mask)) if tokens[i] == chat.tokenizer.token_to_id("<tool_call>"))
         assert mask[second] == 0  # the decision to hop carries no loss ...
-        hop = chat.decode(tokens[second:_turn_end(mask, 2)])
-        assert all(mask[second + 1:_turn_end(mask, 2)]) and re.search(r'"query": "(KX-48\d\d|P-\d+)"', hop)  # ... its copy does
+        hop = chat.decode(tokens[second:turn_end(mask, 2)])
+        assert all(mask[second + 1:turn_end(mask, 2)]) and re.search(r'"query": "(KX-48\d\d|P-\d+)"', hop)  # ... its copy does
         assert chat.decode([t for t, m in zip(tokens, mask) if m]).count("<answer></answer>") == 1
 
 
@@ -336,7 +336,7 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
     is one search and an answer."""
     from configs import default
     from mtrl_jax.setup import build
-    from mtrl_jax.warmup import _assistant_turns, demonstrations
+    from mtrl_jax.warmup import assistant_turns, demonstrations
 
     shares = {}
     for name, overrides in (("default", {}), ("single", {"teacher_hop": 0.0, "hop_drills": 0})):
@@ -346,9 +346,9 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
         components = build(config, tmp_path / name)
         components = dataclasses.replace(components, train_tasks=components.train_tasks[:60])
         demos = demonstrations(components)
-        shares[name] = np.mean([_assistant_turns(mask) == 3 for _, mask in demos])
+        shares[name] = np.mean([assistant_turns(mask) == 3 for _, mask in demos])
         for tokens, mask in demos:
-            if _assistant_turns(mask) == 3:  # the hop's query is an identifier the first results showed
+            if assistant_turns(mask) == 3:  # the hop's query is an identifier the first results showed
                 text = components.chat.decode(tokens)
                 first, second = list(re.finditer(r'"query": "([^"]*)"', text))[:2]
                 assert second.group(1) in text[first.end():second.start()], second.group(1)
@@ -358,14 +358,14 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
 
 def test_warmup_schedule_fields_are_checked():
     from configs import default
-    from mtrl_jax.setup import _warmup_settings
+    from mtrl_jax.setup import warmup_settings
 
     config = default.get_config()
-    settings = _warmup_settings(config)
+    settings = warmup_settings(config)
     assert (settings.full_every, settings.two_turn_every) == (config.warmup.full_every, config.warmup.two_turn_every)
     config.warmup.full_every = 0
     with pytest.raises(ValueError, match="warmup.full_every must be >= 1, got 0"):
-        _warmup_settings(config)
+        warmup_settings(config)
     config.warmup.full_every, config.warmup.two_turn_every = 8, -1
     with pytest.raises(ValueError, match=r"warmup.two_turn_every must be >= 0 \(0: never\), got -1"):
-        _warmup_settings(config)
+        warmup_settings(config)

@@ -3,7 +3,7 @@ model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing a
 
     python -m tools.plan_scale --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
     python -m tools.plan_scale --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
-    python -m tools.plan_scale --table    # the README's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
+    python -m tools.plan_scale --table    # docs/scale.md's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
@@ -40,7 +40,7 @@ TARGETS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", action="store_true", help="compile TABLE_ROWS for every model and print the README's table")
+    p.add_argument("--table", action="store_true", help="compile TABLE_ROWS for every model and print docs/scale.md's table")
     p.add_argument("--model",
                    help=f"one of {sorted(f.stem for f in MODELS.glob('*.json'))}, or a path to an HF config.json")
     p.add_argument("--devices", type=int, help="number of devices (fake CPU devices here)")
@@ -155,7 +155,8 @@ def compile_decode(cfg, mesh, args, flop_count: bool = False):
 
     from mtrl_jax.model.sharding import batch_sharding, param_shardings
     from mtrl_jax.model.transformer import abstract_params
-    from mtrl_jax.rollout.sampler import Sampler, init_state, state_sharding
+    from mtrl_jax.rollout.engine import Sampler, state_sharding
+    from mtrl_jax.rollout.sampler import init_state
 
     boxed = abstract_params(cfg)
     params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))

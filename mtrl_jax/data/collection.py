@@ -245,7 +245,7 @@ def split(tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtr
     return [t for t in tasks if t.task_id not in val_ids], [t for t in tasks if t.task_id in val_ids]
 
 
-def mixture(datasets: dict[str, list[Task]], weights: dict[str, float], num_tasks: int, seed: int = 0) -> list[Task]:
+def mixture(datasets: dict[str, list[Task]], weights: dict[str, float], num_tasks: int, seed=0) -> list[Task]:
     """A weighted mixture: ``num_tasks`` tasks drawn so each dataset's share follows ``weights``
     (largest-remainder rounding; within a dataset, tasks cycle in a seeded shuffle)."""
     import numpy as np

@@ -38,21 +38,24 @@ def pad_rows(sequences: Sequence[Sequence], length: int, dtype, fill=0) -> np.nd
 
 
 def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128, pad_id: int = 0,
-               length: Optional[int] = None) -> TrajectoryBatch:
+               length: Optional[int] = None, no_gradient: Sequence[int] = ()) -> TrajectoryBatch:
     """Pad ``trajectories`` (P x G, groups contiguous) to ``T = length``, or, without one, to the
     longest rounded up to a multiple of ``length_bucket``. The trainer passes the context length
     (rounded), so every update has the same shape and compiles once; the update computes each
-    micro-batch at its own length (``train_step.switch_on_length``), so the padding costs nothing."""
+    micro-batch at its own length (``train_step.switch_on_length``), so the padding costs nothing.
+    The rows ``no_gradient`` keep their reward (their group's baseline) with an all-zero loss mask."""
     if not trajectories or len(trajectories) % group_size:
         raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
     longest = max(len(t.tokens) for t in trajectories)
     T = bucket(longest, length_bucket) if length is None else length
     if longest > T:
         raise ValueError(f"a trajectory of {longest} tokens does not fit the batch length {T}")
+    masked = set(no_gradient)
     return TrajectoryBatch(
         tokens=pad_rows([t.tokens for t in trajectories], T, np.int32, pad_id),
         attention_mask=pad_rows([[1] * len(t.tokens) for t in trajectories], T, np.int32),
-        loss_mask=pad_rows([t.loss_mask for t in trajectories], T, np.float32),
+        loss_mask=pad_rows([[0] * len(t.tokens) if i in masked else t.loss_mask for i, t in enumerate(trajectories)], T,
+                           np.float32),
         behav_logp=pad_rows([t.behav_logp for t in trajectories], T, np.float32),
         reward=np.array([t.reward for t in trajectories], np.float32),
         group_size=group_size)

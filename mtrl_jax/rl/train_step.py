@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import pathlib
 import threading
 from typing import Any, NamedTuple, Optional
 
@@ -30,6 +32,8 @@ from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
+
+log = logging.getLogger("mtrl_jax")
 
 
 class TrainState(NamedTuple):
@@ -334,3 +338,21 @@ class Updater:
         with activate(self.mesh):
             return update(*state, place_batch(batch, self.mesh), ref_params)
 
+
+class NonFiniteGuard:
+    """Counts RL steps in a row whose update skipped an optimizer step (non-finite loss or gradient;
+    the update leaves parameters and optimizer state as they were) and stops the run at ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def observe(self, rl_step: int, skipped: int, last_checkpoint: pathlib.Path) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if not skipped:
+            return
+        log.warning("RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
+                    rl_step, skipped, self.in_a_row)
+        if self.in_a_row >= self.limit:
+            raise FloatingPointError(f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses or "
+                                     f"gradients (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
+                                     f"{last_checkpoint}, holds the last good parameters")

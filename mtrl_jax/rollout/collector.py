@@ -28,6 +28,7 @@ import numpy as np
 from mtrl_jax.chat import ChatFormat
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.rollout import sampler as S
+from mtrl_jax.rollout.engine import ExtendCounts, Sampler
 from mtrl_jax.rollout.interfaces import Environment, EpisodeDriver, EpisodeRun
 from mtrl_jax.rollout.trajectory import Trajectory
 
@@ -52,15 +53,6 @@ def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> Colle
     so 128 slots of 8,192 tokens for 50 episodes would be gigabytes allocated for nothing."""
     needed = max(rows, -(-max(episodes, 1) // rows) * rows)
     return dataclasses.replace(config, slots=min(config.slots, needed))
-
-
-def extend_fractions(timings: dict) -> dict:
-    """From a run's extend token counts (or several runs' sums): the share of the tokens extend
-    computed that were real (not padding), and the share of the tokens appended to the cache that
-    were copied from a cached prefix instead of computed."""
-    real, shared = timings["extend_tokens"], timings["extend_shared"]
-    return {"extend_useful_fraction": real / max(timings["extend_computed"], 1),
-            "extend_shared_fraction": shared / max(real + shared, 1)}
 
 
 @dataclasses.dataclass
@@ -99,7 +91,7 @@ class Collector:
                  params_source: Callable[[], tuple[object, int]], mesh=None):
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
         self.driver = EpisodeDriver(env, chat, config.max_len)
-        self.sampler = S.Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
+        self.sampler = Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
                                  mesh=mesh, min_shared=16 if config.share_prefixes else 0, min_length=config.min_prompt)
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
@@ -133,7 +125,7 @@ class Collector:
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
         timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0, "extend_calls": 0, "decode_calls": 0}
-        self.sampler.tokens_extended = self.sampler.tokens_computed = self.sampler.tokens_shared = 0
+        counts = ExtendCounts()
         state = self.sampler.init()
 
         def release_if_done(i: int):
@@ -166,7 +158,9 @@ class Collector:
                     state = self.sampler.reset_rows(state, fresh)
                 blocks = [s.block if s is not None and s.phase == "extend" else [] for s in slots]
                 start = time.perf_counter()
-                state = jax.block_until_ready(self.sampler.extend(params, state, blocks))
+                state, appended = self.sampler.extend(params, state, blocks)
+                state = jax.block_until_ready(state)
+                counts = counts + appended
                 timings["extend_s"] += time.perf_counter() - start
                 timings["extend_calls"] += 1
                 for s in slots:
@@ -203,7 +197,14 @@ class Collector:
                     start = time.perf_counter()
                     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
                     timings["tool_wait_s"] += time.perf_counter() - start
-        timings.update(extend_tokens=self.sampler.tokens_extended, extend_computed=self.sampler.tokens_computed,
-                       extend_shared=self.sampler.tokens_shared)
-        timings.update(extend_fractions(timings))
+        timings.update(extend_tokens=counts.extended, extend_computed=counts.computed, extend_shared=counts.shared)
+        timings.update(counts.fractions())
         return [results[i] for i in range(len(requests))]
+
+
+def precompile_in_background(collectors: Sequence[Collector], params, stop: threading.Event) -> threading.Thread:
+    """A thread compiling every sampler shape of ``collectors`` in turn (``Collector.precompile``), started;
+    ``stop`` set: it returns after the program being compiled."""
+    thread = threading.Thread(target=lambda: [c.precompile(params, stop) for c in collectors], daemon=True, name="sampler-compile")
+    thread.start()
+    return thread

@@ -1,13 +1,12 @@
-"""Bounded off-policy staleness: the published parameters, the stale-group filter, and the
-background rollout thread that runs ahead of the trainer by at most ``max_staleness`` versions."""
+"""Bounded off-policy staleness: the published parameters, and the background rollout thread that runs
+ahead of the trainer by at most ``max_staleness`` versions (the stale groups it still yields are dropped
+by ``rollout.selection``)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Optional, Sequence
-
-from mtrl_jax.rollout.trajectory import Trajectory
+from typing import Callable, Optional
 
 
 class PublishedParams:
@@ -21,17 +20,6 @@ class PublishedParams:
 
     def publish(self, params, version: int):
         self.value = (params, version)
-
-
-def filter_stale(groups: Sequence[Sequence[Trajectory]], trainer_version: int, max_staleness: int):
-    """Split groups into (fresh, stale): a group is stale when any of its sampled tokens is more
-    than ``max_staleness`` parameter versions older than the trainer's."""
-    fresh, stale = [], []
-    for group in groups:
-        versions = [t.min_version() for t in group if t.min_version() is not None]
-        oldest = min(versions) if versions else trainer_version
-        (stale if trainer_version - oldest > max_staleness else fresh).append(group)
-    return fresh, stale
 
 
 class AsyncRollouts:

@@ -1,5 +1,6 @@
-"""Dynamic sampling (rl.filter_groups), rl.truncation, and the trainer's use of them on a controlled
-schedule of rewards (a scripted collector and a recording updater: no model)."""
+"""Group selection (rollout/selection.py): staleness, dynamic sampling (rl.filter_groups), the even split,
+rl.truncation, and the trainer's use of them on a controlled schedule of rewards (a scripted collector and a
+recording updater: no model)."""
 
 import dataclasses
 import types
@@ -11,10 +12,12 @@ import pytest
 from mtrl_jax.checkpoint import RunRecord
 from mtrl_jax.data.collection import Task
 from mtrl_jax.data.schedule import DataCursor, TaskSchedule
-from mtrl_jax.rollout.dynamic_sampling import informative, no_gradient_rows, refill, split_informative
+from mtrl_jax.rl.train_step import NonFiniteGuard
+from mtrl_jax.rollout.selection import GroupSelector, informative, no_gradient_rows, refill, split_informative
+from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.rollout.trajectory import Trajectory
 from mtrl_jax.setup import RunSettings
-from mtrl_jax.trainer import NonFiniteGuard, Trainer
+from mtrl_jax.trainer import Trainer
 
 
 def _group(rewards, status=None, group_id=0, kind="synthetic/lookup"):
@@ -103,8 +106,10 @@ def _trainer(tmp_path, rewards_of, filter_groups, max_extra, truncation="penalty
     trainer.c = types.SimpleNamespace(run=run, train_tasks=tasks, schedule=TaskSchedule(list(tasks), 4),
                                       updater=_Updater(divisor), chat=types.SimpleNamespace(pad_id=0))
     trainer.workdir, trainer.record, trainer.ref_params, trainer.state = tmp_path, RunRecord(cursor=DataCursor()), None, None
-    trainer.start, trainer.nonfinite = (0, DataCursor()), NonFiniteGuard(3)
+    trainer.nonfinite = NonFiniteGuard(3)
     trainer.collector = _Collector(rewards_of)
+    trainer.rollouts = StepRollouts(trainer.collector, trainer.c.schedule, tasks, run.seed, run.group_size, max_extra)
+    trainer.selector = GroupSelector(run.max_staleness, run.global_batch_size, divisor, filter_groups, truncation)
     return trainer
 
 
@@ -118,12 +123,12 @@ def _schedule(request):
 
 def test_trainer_drops_all_equal_groups_and_refills_within_the_cap(tmp_path):
     trainer = _trainer(tmp_path, _schedule, filter_groups=True, max_extra=2)
-    groups, timings = trainer.collect(0)
+    groups, timings = trainer.rollouts.collect(0)
     assert len(groups) == 6 and timings["decode_s"] == 2.0  # 4 requested + 2 extra (capped), the collector's time summed
     extra = trainer.collector.requests[1]
     assert [r.group_id for r in extra] == [4, 4, 5, 5] and all(r.task in trainer.c.train_tasks for r in extra)
     # the same step draws the same extra tasks and keys (a resumed run regenerates them identically)
-    again = _trainer(tmp_path, _schedule, filter_groups=True, max_extra=2).extra_requests(0, 0, 2)
+    again = _trainer(tmp_path, _schedule, filter_groups=True, max_extra=2).rollouts.extra_requests(0, 0, 2)
     assert [r.task.task_id for r in again] == [r.task.task_id for r in extra]
     assert all(np.array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key)) for a, b in zip(again, extra))
     metrics = trainer.train_on(0, groups)
@@ -143,7 +148,7 @@ def test_trainer_drops_all_equal_groups_and_refills_within_the_cap(tmp_path):
 
 def test_trainer_without_filter_trains_on_every_group(tmp_path):
     trainer = _trainer(tmp_path, _schedule, filter_groups=False, max_extra=0)
-    groups, _ = trainer.collect(0)
+    groups, _ = trainer.rollouts.collect(0)
     assert len(groups) == 4 and len(trainer.collector.requests) == 1
     metrics = trainer.train_on(0, groups)
     assert "filter/dropped_groups" not in metrics and trainer.c.updater.batches[-1].tokens.shape[0] == 8
@@ -153,7 +158,7 @@ def test_truncation_mask_zeroes_the_failed_rows_loss_mask(tmp_path):
     status_of = {3: "turn_token_limit"}
 
     trainer = _trainer(tmp_path, _schedule, filter_groups=False, max_extra=0, truncation="mask")
-    groups, _ = trainer.collect(0)
+    groups, _ = trainer.rollouts.collect(0)
     for g in groups:
         for t in g:
             t.status = status_of.get(t.group_id, "ok")
@@ -163,25 +168,25 @@ def test_truncation_mask_zeroes_the_failed_rows_loss_mask(tmp_path):
     np.testing.assert_array_equal(batch.loss_mask.sum(1), [3, 3, 3, 3, 3, 3, 0, 0])
     assert batch.reward.tolist()[6:] == [-1.0, -1.0]  # still in the group's rewards (its baseline)
     penalty = _trainer(tmp_path, _schedule, filter_groups=False, max_extra=0, truncation="penalty")
-    groups, _ = penalty.collect(0)
+    groups, _ = penalty.rollouts.collect(0)
     penalty.train_on(0, groups)
     assert penalty.c.updater.batches[-1].loss_mask.sum() == 24
 
 
 def test_run_settings_check_the_dynamic_sampling_fields():
     from configs.default import get_config
-    from mtrl_jax.setup import _run_settings
+    from mtrl_jax.setup import run_settings
 
     config = get_config()
     with config.unlocked():
         config.rl.filter_max_extra_groups = 4
     with pytest.raises(ValueError, match="rl.filter_groups=True"):
-        _run_settings(config, 16)
+        run_settings(config, 16)
     with config.unlocked():
         config.rl.filter_groups, config.rl.truncation = True, "clip"
     with pytest.raises(ValueError, match="rl.truncation"):
-        _run_settings(config, 16)
+        run_settings(config, 16)
     with config.unlocked():
         config.rl.truncation = "mask"
-    settings = _run_settings(config, 16)
+    settings = run_settings(config, 16)
     assert dataclasses.astuple(settings)[-3:] == (True, 4, "mask")
