@@ -67,16 +67,30 @@ def main(argv=None):
     print(machine_line(), flush=True)
     rng = np.random.default_rng(0)
     chat = ChatFormat(train_tokenizer([" ".join(rng.choice(WORDS, 50)) for _ in range(50)], 1024))
-    chat.stop_ids = chat.stop_ids + [int(i) for i in rng.choice(chat.vocab_size, int(args.stop_share * chat.vocab_size), replace=False)]
-    cfg = ModelConfig(vocab_size=chat.vocab_size, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=32, qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0)
+    chat.stop_ids = chat.stop_ids + [
+        int(i) for i in rng.choice(chat.vocab_size, int(args.stop_share * chat.vocab_size), replace=False)
+    ]
+    cfg = ModelConfig(
+        vocab_size=chat.vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     params = init_params(cfg, jax.random.PRNGKey(0))
     env = OneToolCall(args.tool_ms / 1e3, args.reply_words, rng)
     tasks = [Task(f"t{i}", " ".join(rng.choice(WORDS, args.prompt_words)), {}, "bench") for i in range(args.episodes)]
     requests = [EpisodeRequest(t, i // 8, i % 8, jax.random.PRNGKey(i)) for i, t in enumerate(tasks)]
     collectors = {}
     for workers in (args.workers, 0):
-        config = CollectorConfig(slots=args.slots, max_len=512, max_tokens_per_turn=48, decode_chunk=48, tool_workers=workers)
+        config = CollectorConfig(
+            slots=args.slots, max_len=512, max_tokens_per_turn=48, decode_chunk=48, tool_workers=workers
+        )
         collectors[workers] = Collector(cfg, chat, env, config, lambda: (params, 0))
         collectors[workers].run(requests)  # compile
     seconds = {w: [] for w in collectors}
@@ -89,13 +103,20 @@ def main(argv=None):
             timings[workers].append({**collector.timings, "tool_calls": sum(len(t.turns) == 2 for t in trajectories)})
             assert len(trajectories) == args.episodes
     rate = {w: args.episodes / statistics.median(s) for w, s in seconds.items()}
-    print(f"{args.episodes} episodes, {args.slots} slots, one {args.tool_ms:.0f} ms tool call each, medians of {args.repeats}:")
+    print(
+        f"{args.episodes} episodes, {args.slots} slots, one {args.tool_ms:.0f} ms tool call each, medians of "
+        f"{args.repeats}:"
+    )
     for workers in collectors:
         med = {k: statistics.median(t[k] for t in timings[workers]) for k in timings[workers][0]}
         label = f"{workers} tool workers" if workers else "tools inline"
-        print(f"  {label:15s} {rate[workers]:6.1f} episodes/s | extend {med['extend_s']:.2f} s in {med['extend_calls']:.0f} calls "
-              f"({med['extend_useful_fraction']:.0%} useful tokens), decode {med['decode_s']:.2f} s in {med['decode_calls']:.0f} calls, "
-              f"tool waits {med['tool_wait_s']:.2f} s, {med['tool_calls']:.0f} tool calls")
+        print(
+            f"  {label:15s} {rate[workers]:6.1f} episodes/s | extend {med['extend_s']:.2f} s in "
+            f"{med['extend_calls']:.0f} calls "
+            f"({med['extend_useful_fraction']:.0%} useful tokens), decode {med['decode_s']:.2f} s in "
+            f"{med['decode_calls']:.0f} calls, "
+            f"tool waits {med['tool_wait_s']:.2f} s, {med['tool_calls']:.0f} tool calls"
+        )
     print(f"tool workers / inline: {rate[args.workers] / rate[0]:.2f}x")
     for collector in collectors.values():
         collector.close()

@@ -27,7 +27,9 @@ The three must produce the same tokens (printed). Then, on ``tiny``:
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+if (
+    __name__ == "__main__"
+):  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
     from mtrl_jax.host import prepare_process
 
     prepare_process()
@@ -71,8 +73,13 @@ def minimal_decoder(cfg: ModelConfig, params, prompts, new: int):
 
 def greedy_rows(B: int, new: int):
     """Sampler row arguments for greedy decoding of ``new`` tokens with no stop token."""
-    return (np.zeros(B, np.float32), np.ones(B, np.float32), np.full((B, 1), -1, np.int32), np.ones(B, bool),
-            np.full(B, new, np.int32))
+    return (
+        np.zeros(B, np.float32),
+        np.ones(B, np.float32),
+        np.full((B, 1), -1, np.int32),
+        np.ones(B, bool),
+        np.full(B, new, np.int32),
+    )
 
 
 def sides(cfg: ModelConfig, params, prompts: np.ndarray, new: int, torch, transformers) -> dict:
@@ -99,8 +106,13 @@ def sides(cfg: ModelConfig, params, prompts: np.ndarray, new: int, torch, transf
 
         def hf():
             with torch.no_grad():
-                result = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                        min_new_tokens=new, do_sample=False)
+                result = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                )
             return result[:, P:].numpy()
 
         out["HF generate"] = hf
@@ -150,11 +162,15 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
     samplers = {c: Sampler(cfg, slots=B, max_len=c, max_new_tokens=new) for c in capacities}
     states = {c: samplers[c].extend(params, samplers[c].init(), prompts)[0] for c in capacities}
     keys = jax.random.split(jax.random.PRNGKey(0), B)
-    decode = jax.jit(functools.partial(S.decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,))
+    decode = jax.jit(
+        functools.partial(S.decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)
+    )
 
     def one(c, windowed):
         smp = samplers[c]
-        state = jax.block_until_ready(jax.tree.map(jnp.copy, states[c]))  # decode donates its state; copied before the clock starts
+        state = jax.block_until_ready(
+            jax.tree.map(jnp.copy, states[c])
+        )  # decode donates its state; copied before the clock starts
         window = smp.window(state, rows[3], new) if windowed else c
         start = time.perf_counter()
         jax.block_until_ready(decode(params, state, keys, *rows, max_new_tokens=new, window=window))
@@ -172,7 +188,10 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
     for c in capacities:
         print(f"{c:8d} | {med[(c, True)]:16.2f} | {med[(c, False)]:9.2f}")
     lo, hi = capacities[0], capacities[-1]
-    print(f"{hi} / {lo} slots: sampler {med[(hi, True)] / med[(lo, True)]:.2f}x, all slots {med[(hi, False)] / med[(lo, False)]:.2f}x")
+    print(
+        f"{hi} / {lo} slots: sampler {med[(hi, True)] / med[(lo, True)]:.2f}x, "
+        f"all slots {med[(hi, False)] / med[(lo, False)]:.2f}x"
+    )
 
 
 def main(argv=None):
@@ -193,23 +212,37 @@ def main(argv=None):
         seconds, outputs = alternate(fns, args.repeats)
         rate = {k: B * args.new / s for k, s in seconds.items()}
         same = {k: bool(np.array_equal(outputs["sampler"], v)) for k, v in outputs.items() if k != "sampler"}
-        print(f"\n{name}: batch {B}, prompt {args.prompt} + {args.new} greedy tokens, medians of {args.repeats} "
-              f"(identical tokens to the sampler: {same})")
+        print(
+            f"\n{name}: batch {B}, prompt {args.prompt} + {args.new} greedy tokens, medians of {args.repeats} "
+            f"(identical tokens to the sampler: {same})"
+        )
         for k, r in rate.items():
             print(f"  {k:12s} {r:9,.0f} tokens/s")
-        print("  sampler / " + ", sampler / ".join(f"{k} {rate['sampler'] / r:.2f}x" for k, r in rate.items() if k != "sampler"))
+        print(
+            "  sampler / "
+            + ", sampler / ".join(f"{k} {rate['sampler'] / r:.2f}x" for k, r in rate.items() if k != "sampler")
+        )
         if name != "tiny":
             continue
-        shaped = {"raw sampler": fns["sampler"], "collector-shaped": collector_shaped(cfg, params, prompts, args.new),
-                  "no cache": no_cache(cfg, params, prompts, args.new)}
+        shaped = {
+            "raw sampler": fns["sampler"],
+            "collector-shaped": collector_shaped(cfg, params, prompts, args.new),
+            "no cache": no_cache(cfg, params, prompts, args.new),
+        }
         seconds, outputs = alternate(shaped, args.repeats)
         rate = {k: B * args.new / s for k, s in seconds.items()}
-        print(f"  collector-shaped (512 slots, 48-token calls) {rate['collector-shaped']:,.0f} tokens/s vs raw sampler "
-              f"{rate['raw sampler']:,.0f}: {rate['collector-shaped'] / rate['raw sampler']:.2f}x "
-              f"(same tokens: {bool(np.array_equal(outputs['collector-shaped'], outputs['raw sampler']))})")
-        print(f"  no cache {rate['no cache']:,.0f} tokens/s: the sampler is {rate['raw sampler'] / rate['no cache']:.1f}x "
-              f"(same tokens: {bool(np.array_equal(outputs['no cache'], outputs['raw sampler']))})\n")
-        capacity(cfg, params, B, args.held, max(3 * args.repeats, 15))  # short calls: more of them, against this machine's noise
+        print(
+            f"  collector-shaped (512 slots, 48-token calls) {rate['collector-shaped']:,.0f} tokens/s vs raw sampler "
+            f"{rate['raw sampler']:,.0f}: {rate['collector-shaped'] / rate['raw sampler']:.2f}x "
+            f"(same tokens: {bool(np.array_equal(outputs['collector-shaped'], outputs['raw sampler']))})"
+        )
+        print(
+            f"  no cache {rate['no cache']:,.0f} tokens/s: "
+            f"the sampler is {rate['raw sampler'] / rate['no cache']:.1f}x "
+            f"(same tokens: {bool(np.array_equal(outputs['no cache'], outputs['raw sampler']))})\n"
+        )
+        # short calls: more of them, against this machine's noise
+        capacity(cfg, params, B, args.held, max(3 * args.repeats, 15))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Each seed is a full `experiments.run` of configs/default.py (synthetic collection, tokenizer,
 warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
-so the script resumes; each run's wall time is printed. The baseline, measured in the same runs, is the warmed-up policy before RL.
+so the script resumes; each run's wall time is printed. The baseline, measured in the same runs, is the
+warmed-up policy before RL.
 Extra `--config.*` overrides are passed through. It also prints, from the runs' evaluation
 trajectories, nDCG@10, mean turns and the share of each tool's first call per task type (e.g.
 `synthetic/multihop`), before and after RL: what RL changed, not only how much; and the checks of
@@ -38,8 +39,14 @@ def by_query_type(path: pathlib.Path) -> dict:
         calls = [c["name"] for turn in t["turns"] for c in turn["calls"] if c["name"]]
         first = calls[0] if calls else "(none)"
         tools[first] = tools.get(first, 0) + 1
-    return {k: {"ndcg": float(np.mean(s)), "turns": float(np.mean(n)), "tools": {name: c / len(s) for name, c in sorted(tools.items())}}
-            for k, (s, n, tools) in sorted(out.items())}
+    return {
+        k: {
+            "ndcg": float(np.mean(s)),
+            "turns": float(np.mean(n)),
+            "tools": {name: c / len(s) for name, c in sorted(tools.items())},
+        }
+        for k, (s, n, tools) in sorted(out.items())
+    }
 
 
 def training_hops(workdir: pathlib.Path) -> dict:
@@ -64,9 +71,12 @@ def training_hops(workdir: pathlib.Path) -> dict:
         nan = float("nan")
         for kind, (hop, single, found) in rows.items():
             out.setdefault(kind, {})[label] = {
-                "episodes": len(hop) + len(single), "hop_share": len(hop) / (len(hop) + len(single)),
-                "reward_hop": float(np.mean(hop)) if hop else nan, "reward_single": float(np.mean(single)) if single else nan,
-                "hop_found": float(np.mean(found)) if found else nan}
+                "episodes": len(hop) + len(single),
+                "hop_share": len(hop) / (len(hop) + len(single)),
+                "reward_hop": float(np.mean(hop)) if hop else nan,
+                "reward_single": float(np.mean(single)) if single else nan,
+                "hop_found": float(np.mean(found)) if found else nan,
+            }
     return out
 
 
@@ -79,7 +89,9 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     print(machine_line(peak=False), flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    summaries = run_seeds(args.config, seeds, out, overrides, per_seed=("--config.seed={seed}", "--config.data.synthetic_seed={seed}"))
+    summaries = run_seeds(
+        args.config, seeds, out, overrides, per_seed=("--config.seed={seed}", "--config.data.synthetic_seed={seed}")
+    )
     for seed, s in summaries.items():
         if "wall_seconds" in s:
             print(f"seed {seed}: {s['wall_seconds'] / 60:.1f} minutes end to end", flush=True)
@@ -90,8 +102,11 @@ def main(argv=None):
         before = np.array([s["before"][key] for s in summaries.values()])
         after = np.array([s["after"][key] for s in summaries.values()])
         delta = after - before
-        print(f"{key:>13}: before {before.mean():.4f} +- {before.std():.4f}   after {after.mean():.4f} +- {after.std():.4f}   "
-              f"change {delta.mean():+.4f} +- {delta.std():.4f}")
+        print(
+            f"{key:>13}: before {before.mean():.4f} +- {before.std():.4f}   after {after.mean():.4f} +- "
+            f"{after.std():.4f}   "
+            f"change {delta.mean():+.4f} +- {delta.std():.4f}"
+        )
     print("\nby query type (mean over seeds), before -> after: nDCG@10, mean turns, first tool call shares")
     types: dict = {}
     for seed in summaries:
@@ -106,12 +121,19 @@ def main(argv=None):
         shares = []
         for label in ("before", "after"):
             names = sorted({n for r in entry[label] for n in r["tools"]})
-            shares.append(", ".join(f"{n} {np.mean([r['tools'].get(n, 0.0) for r in entry[label]]):.2f}" for n in names))
-        print(f"{kind:>20} | {mean(entry['before'], 'ndcg'):.3f} -> {mean(entry['after'], 'ndcg'):.3f} | "
-              f"{mean(entry['before'], 'turns'):.2f} -> {mean(entry['after'], 'turns'):.2f} | {shares[0]} -> {shares[1]}")
-    print("\nhops in the RL steps' sampled episodes (mean over seeds), first quarter -> last quarter of the steps: share of "
-          "episodes with a second search, mean reward with / without one, share of second searches that found a relevant "
-          "document the first had not")
+            shares.append(
+                ", ".join(f"{n} {np.mean([r['tools'].get(n, 0.0) for r in entry[label]]):.2f}" for n in names)
+            )
+        print(
+            f"{kind:>20} | {mean(entry['before'], 'ndcg'):.3f} -> {mean(entry['after'], 'ndcg'):.3f} | "
+            f"{mean(entry['before'], 'turns'):.2f} -> {mean(entry['after'], 'turns'):.2f} | {shares[0]} -> {shares[1]}"
+        )
+    print(
+        "\nhops in the RL steps' sampled episodes (mean over seeds), first quarter -> last quarter of the "
+        "steps: share of "
+        "episodes with a second search, mean reward with / without one, share of second searches that found a relevant "
+        "document the first had not"
+    )
     hops: dict = {}
     for seed in summaries:
         for kind, parts in training_hops(out / f"seed_{seed}").items():
@@ -121,21 +143,31 @@ def main(argv=None):
         cells = []
         for label in ("early", "late"):
             rows = parts.get(label, [])
-            m = {k: float(np.nanmean([r[k] for r in rows])) if rows else float("nan")
-                 for k in ("hop_share", "reward_hop", "reward_single", "hop_found")}
-            cells.append(f"{m['hop_share']:.2f}, {m['reward_hop']:+.3f} / {m['reward_single']:+.3f}, found {m['hop_found']:.2f}")
+            m = {
+                k: float(np.nanmean([r[k] for r in rows])) if rows else float("nan")
+                for k in ("hop_share", "reward_hop", "reward_single", "hop_found")
+            }
+            cells.append(
+                f"{m['hop_share']:.2f}, {m['reward_hop']:+.3f} / {m['reward_single']:+.3f}, found {m['hop_found']:.2f}"
+            )
         print(f"{kind:>20} | {cells[0]} -> {cells[1]}")
     gain = np.mean([s["after"]["ndcg@10"] - s["before"]["ndcg@10"] for s in summaries.values()])
     worse = np.mean([s["after"]["failure_rate"] - s["before"]["failure_rate"] for s in summaries.values()])
-    print(f"RL beats the warmed-up policy by >= 0.15 nDCG@10 with the failure rate not higher: "
-          f"{gain >= 0.15 and worse <= 0} (change {gain:+.4f}, failure rate {worse:+.4f})")
+    print(
+        f"RL beats the warmed-up policy by >= 0.15 nDCG@10 with the failure rate not higher: "
+        f"{gain >= 0.15 and worse <= 0} (change {gain:+.4f}, failure rate {worse:+.4f})"
+    )
     hop = [k for k in types if k.endswith("/multihop")]
     look = [k for k in types if k.endswith("/lookup")]
     if hop and look:
         ndcg, turns = mean(types[hop[0]]["after"], "ndcg"), mean(types[hop[0]]["after"], "turns")
         lookup_turns = mean(types[look[0]]["after"], "turns")
-        print(f"RL learns when to hop: multihop nDCG@10 {ndcg:.3f} (>= 0.60: {ndcg >= 0.60}), multihop mean turns {turns:.2f} "
-              f"(>= 2.8: {turns >= 2.8}), lookup mean turns {lookup_turns:.2f} (<= 2.3: {lookup_turns <= 2.3})")
+        print(
+            f"RL learns when to hop: multihop nDCG@10 {ndcg:.3f} (>= 0.60: {ndcg >= 0.60}), multihop mean turns "
+            f"{turns:.2f} "
+            f"(>= 2.8: {turns >= 2.8}), lookup mean turns {lookup_turns:.2f} (<= 2.3: {lookup_turns <= 2.3})"
+        )
+
 
 if __name__ == "__main__":
     main()

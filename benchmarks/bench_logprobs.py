@@ -37,10 +37,14 @@ def main(argv=None):
         def loss(h, w):
             logp, entropy = fn(h, w, targets, 1.0)
             return logp.sum() + 0.01 * entropy.sum()
+
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
     results = {}
-    for name, fn in [("dense", token_logprobs_dense), ("chunked", lambda *a: token_logprobs(*a, chunk_size=args.chunk))]:
+    for name, fn in [
+        ("dense", token_logprobs_dense),
+        ("chunked", lambda *a: token_logprobs(*a, chunk_size=args.chunk)),
+    ]:
         step = build(fn)
         mem = step.lower(hidden, head).compile().memory_analysis()
         peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes

@@ -33,14 +33,24 @@ def main(argv=None) -> None:
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         sys.exit(f"bench_real_rl.py: unexpected arguments {bad} (only --config.key=value are passed on)")
-    base = [sys.executable, "-m", "experiments.run", "--config=configs/real_cpu.py", f"--workdir={args.out}",
-            "--config.log.progress=False", *overrides]
+    base = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "--config=configs/real_cpu.py",
+        f"--workdir={args.out}",
+        "--config.log.progress=False",
+        *overrides,
+    ]
     start = time.perf_counter()
     train = subprocess.Popen(base + ["--config.max_steps=100000"], cwd=REPO)
     try:
         train.wait(timeout=args.minutes * 60)
     except subprocess.TimeoutExpired:
-        print(f"bench_real_rl.py: {args.minutes:g} min budget reached: SIGTERM (checkpoint at the end of this step)", flush=True)
+        print(
+            f"bench_real_rl.py: {args.minutes:g} min budget reached: SIGTERM (checkpoint at the end of this step)",
+            flush=True,
+        )
         train.send_signal(signal.SIGTERM)
         train.wait()
     train_s = time.perf_counter() - start
@@ -53,8 +63,10 @@ def main(argv=None) -> None:
         subprocess.run(base + [f"--config.max_steps={done}"], cwd=REPO, check=True)
     summary = json.loads((args.out / "summary.json").read_text())
     step_s = sorted(s["time/step_s"] for s in steps)
-    print(f"\nRL steps: {done} in {train_s / 60:.1f} min (training run incl. the evaluation before RL); "
-          f"median step {step_s[len(step_s) // 2]:.1f} s")
+    print(
+        f"\nRL steps: {done} in {train_s / 60:.1f} min (training run incl. the evaluation before RL); "
+        f"median step {step_s[len(step_s) // 2]:.1f} s"
+    )
     before, after = summary["before"], summary["after"]
     print(f"held-out queries: {before['queries']}\n| metric | before RL | after RL | change |\n|---|---|---|---|")
     for metric in ("ndcg@10", "failure_rate", "mean_turns"):

@@ -30,18 +30,40 @@ import time
 
 from benchmarks.common import REPO, machine_line, ratio, worktree
 
-COLUMNS = [("step_s", "time/step_s"), ("collect_wait", "time/collect_wait_s"), ("collect", "time/collect_s"),
-           ("decode", "time/decode_s"), ("extend", "time/extend_s"), ("tool_wait", "time/tool_wait_s"),
-           ("update", "time/update_s"), ("logging", "time/logging_s"), ("prev_ckpt", "time/previous_checkpoint_s"),
-           ("compiles", "compile/programs"), ("compile_s", "compile/seconds"), ("real_tok", "batch/real_token_fraction"),
-           ("ext_useful", "rollout/extend_useful_fraction"), ("ext_shared", "rollout/extend_shared_fraction")]
+COLUMNS = [
+    ("step_s", "time/step_s"),
+    ("collect_wait", "time/collect_wait_s"),
+    ("collect", "time/collect_s"),
+    ("decode", "time/decode_s"),
+    ("extend", "time/extend_s"),
+    ("tool_wait", "time/tool_wait_s"),
+    ("update", "time/update_s"),
+    ("logging", "time/logging_s"),
+    ("prev_ckpt", "time/previous_checkpoint_s"),
+    ("compiles", "compile/programs"),
+    ("compile_s", "compile/seconds"),
+    ("real_tok", "batch/real_token_fraction"),
+    ("ext_useful", "rollout/extend_useful_fraction"),
+    ("ext_shared", "rollout/extend_shared_fraction"),
+]
 
 
 def run(repo: pathlib.Path, workdir: pathlib.Path, args) -> tuple[list[dict], float]:
-    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={workdir}",
-           f"--config.max_steps={args.steps}", f"--config.warmup.steps={args.warmup_steps}", "--config.log.progress=False",
-           f"--config.seed={args.seed}", *args.overrides]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "--config=configs/default.py",
+        f"--workdir={workdir}",
+        f"--config.max_steps={args.steps}",
+        f"--config.warmup.steps={args.warmup_steps}",
+        "--config.log.progress=False",
+        f"--config.seed={args.seed}",
+        *args.overrides,
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")
+    }
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     if result.returncode:
@@ -58,7 +80,9 @@ def table(steps: list[dict], steady_from: int) -> float:
         print(f"{s['step']:4d} | " + " | ".join(f"{s.get(keys[n], float('nan')):.3f}" for n in names))
     steady = [s for s in steps if s["step"] >= steady_from] or steps
     medians = {n: statistics.median(s.get(keys[n], float("nan")) for s in steady) for n in names}
-    print(f"median of steps {steady[0]['step']}..{steady[-1]['step']} | " + " | ".join(f"{medians[n]:.3f}" for n in names))
+    print(
+        f"median of steps {steady[0]['step']}..{steady[-1]['step']} | " + " | ".join(f"{medians[n]:.3f}" for n in names)
+    )
     return medians["step_s"]
 
 
@@ -82,7 +106,10 @@ def main(argv=None):
         steps, seconds = run(tree, out / "baseline", args)
     print(f"\nbaseline {args.baseline}: {seconds:.0f} s end to end")
     baseline = table(steps, args.steady_from)
-    print(f"\nsteady-state step: {current:.3f} s vs {baseline:.3f} s at {args.baseline}: {ratio(current, baseline)} faster")
+    print(
+        f"\nsteady-state step: {current:.3f} s vs {baseline:.3f} s at {args.baseline}: "
+        f"{ratio(current, baseline)} faster"
+    )
 
 
 if __name__ == "__main__":

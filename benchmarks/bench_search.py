@@ -32,7 +32,9 @@ def main(argv=None):
     flat = words[ranks]
     docs = np.split(flat, np.cumsum(lengths)[:-1])
     docs = [list(d) for d in docs]
-    queries = [list(words[np.minimum(rng.zipf(1.3, size=rng.integers(2, 7)), args.vocab) - 1]) for _ in range(args.queries)]
+    queries = [
+        list(words[np.minimum(rng.zipf(1.3, size=rng.integers(2, 7)), args.vocab) - 1]) for _ in range(args.queries)
+    ]
 
     start = time.perf_counter()
     ours = BM25Index(docs)
@@ -53,10 +55,14 @@ def main(argv=None):
     ref_queries = queries[: args.reference_queries]
     lat_ref = latencies(lambda q: np.argsort(-ref.get_scores(q))[: args.k], ref_queries)
     worst = max(np.abs(ours.scores(q) - ref.get_scores(q)).max() for q in ref_queries)
-    print(f"corpus: {args.docs} documents, {int(lengths.sum())} tokens, vocab {args.vocab}; max |score diff| {worst:.1e}")
+    print(
+        f"corpus: {args.docs} documents, {int(lengths.sum())} tokens, vocab {args.vocab}; max |score diff| {worst:.1e}"
+    )
     print(f"build   sparse {build_ours:6.1f} s   rank-bm25 {build_ref:6.1f} s")
-    print(f"query   sparse p50 {np.median(lat_ours):7.2f} ms  p95 {np.percentile(lat_ours, 95):7.2f} ms   "
-          f"rank-bm25 p50 {np.median(lat_ref):8.2f} ms  p95 {np.percentile(lat_ref, 95):8.2f} ms")
+    print(
+        f"query   sparse p50 {np.median(lat_ours):7.2f} ms  p95 {np.percentile(lat_ours, 95):7.2f} ms   "
+        f"rank-bm25 p50 {np.median(lat_ref):8.2f} ms  p95 {np.percentile(lat_ref, 95):8.2f} ms"
+    )
     print(f"p50 speed-up over rank-bm25: {np.median(lat_ref) / np.median(lat_ours):.0f}x")
 
 

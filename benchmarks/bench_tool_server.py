@@ -50,8 +50,14 @@ def hammer(call, clients: int, seconds: float, queries: list[str]) -> dict:
     elapsed = time.perf_counter() - begin
     latencies.sort()
     q = lambda p: latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000 if latencies else float("nan")  # noqa: E731
-    return {"requests": len(latencies), "requests_per_s": len(latencies) / elapsed, "p50_ms": q(0.50), "p99_ms": q(0.99),
-            "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"), "errors": errors}
+    return {
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": q(0.50),
+        "p99_ms": q(0.99),
+        "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"),
+        "errors": errors,
+    }
 
 
 def main(argv=None):
@@ -87,10 +93,14 @@ def main(argv=None):
         server.shutdown()
         server.server_close()
     for label, r in (("HTTP tool server", http), ("in-process (baseline)", local)):
-        print(f"{label:>22}: {r['requests']:>7} requests, {r['requests_per_s']:8.1f} req/s, p50 {r['p50_ms']:7.2f} ms, "
-              f"p99 {r['p99_ms']:7.2f} ms, errors {sum(r['errors'].values())} {r['errors'] or ''}")
-    print(f"HTTP / in-process throughput: {http['requests_per_s'] / local['requests_per_s']:.3f}x "
-          f"({args.clients} concurrent clients, {args.seconds:.0f} s each)")
+        print(
+            f"{label:>22}: {r['requests']:>7} requests, {r['requests_per_s']:8.1f} req/s, p50 {r['p50_ms']:7.2f} ms, "
+            f"p99 {r['p99_ms']:7.2f} ms, errors {sum(r['errors'].values())} {r['errors'] or ''}"
+        )
+    print(
+        f"HTTP / in-process throughput: {http['requests_per_s'] / local['requests_per_s']:.3f}x "
+        f"({args.clients} concurrent clients, {args.seconds:.0f} s each)"
+    )
     print(f"dropped requests: {sum(http['errors'].values())}")
 
 

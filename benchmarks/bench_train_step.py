@@ -23,7 +23,8 @@ Without torch/transformers the HF side is skipped with a message and only mtrl-j
 ``--components`` then times where the two differ, forward and backward of each part on its own at
 the config's shapes (``[B x T]`` rows), alternated the same way: the attention core (the project's
 chunked ``causal_attention`` vs torch's ``scaled_dot_product_attention``, causal, grouped KV heads),
-one MLP (the project's ``MLP`` module vs the same products in torch, HF's ``down(silu(gate(x)) * up(x))``) and the LM head with the
+one MLP (the project's ``MLP`` module vs the same products in torch, HF's ``down(silu(gate(x)) * up(x))``) and
+the LM head with the
 log-softmax gather (the project's ``token_logprobs``, entropy included, vs ``lm_head`` +
 ``log_softmax`` + ``gather``). Each backward is taken with respect to the inputs and the weights.
 
@@ -35,7 +36,9 @@ it prints the median of the children's medians and the speed-up.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+if (
+    __name__ == "__main__"
+):  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
     from mtrl_jax.host import prepare_process
 
     prepare_process()
@@ -74,7 +77,7 @@ def make_batch(cfg: ModelConfig, B: int, T: int, seed: int = 0) -> TrajectoryBat
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, size=(B, T)).astype(np.int32)
     loss_mask = np.zeros((B, T), np.float32)
-    loss_mask[:, T // 4:] = 1.0  # the last three quarters are "sampled"
+    loss_mask[:, T // 4 :] = 1.0  # the last three quarters are "sampled"
     behav = np.where(loss_mask > 0, -rng.uniform(2, 6, size=(B, T)), 0.0).astype(np.float32)
     rewards = rng.uniform(size=B).astype(np.float32)
     return TrajectoryBatch(tokens, np.ones((B, T), np.int32), loss_mask, behav, rewards, group_size=4)
@@ -97,15 +100,17 @@ def matmul_peak(repeats: int, torch=None) -> tuple[float, float]:
         timed(lambda: jax.block_until_ready(dot(a, a)), jax_times)
         if ta is not None:
             timed(lambda: torch.mm(ta, ta), torch_times)
-    flops = 2.0 * n ** 3
+    flops = 2.0 * n**3
     return flops / statistics.median(jax_times), (flops / statistics.median(torch_times) if torch_times else 0.0)
 
 
 # The project's update settings measured against torch: "default" is configs/default.py's (micro-batches of 4
 # rows, each at its own length; log-probs in chunks of 4,096 tokens; attention in query chunks of 256),
 # "one_batch" the whole batch as one micro-batch with the logits held (one chunk) and attention chunks of 128.
-SETTINGS = {"default": dict(attention_chunk=256, rows_per_micro_batch=4, logprob_chunk=4096),
-            "one_batch": dict(attention_chunk=128, rows_per_micro_batch=0, logprob_chunk=0)}
+SETTINGS = {
+    "default": dict(attention_chunk=256, rows_per_micro_batch=4, logprob_chunk=4096),
+    "one_batch": dict(attention_chunk=128, rows_per_micro_batch=0, logprob_chunk=0),
+}
 
 
 def setting_config(name: str, setting: str) -> ModelConfig:
@@ -116,10 +121,17 @@ def setting_config(name: str, setting: str) -> ModelConfig:
 def project_side(cfg: ModelConfig, batch: TrajectoryBatch, setting: str = "default"):
     B, T = batch.tokens.shape
     rows = SETTINGS[setting]["rows_per_micro_batch"] or B
-    update_cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo", loss_options=(("clip_dual", CLIP_DUAL), ("clip_high", CLIP_HIGH),
-                                                                                    ("clip_low", CLIP_LOW))),
-                              advantage="grpo", old_logp="behaviour", mini_batches=1, micro_batches=B // rows,
-                              logprob_chunk=SETTINGS[setting]["logprob_chunk"] or B * T, length_bucket=T)
+    update_cfg = UpdateConfig(
+        objective=ObjectiveConfig(
+            loss="ppo", loss_options=(("clip_dual", CLIP_DUAL), ("clip_high", CLIP_HIGH), ("clip_low", CLIP_LOW))
+        ),
+        advantage="grpo",
+        old_logp="behaviour",
+        mini_batches=1,
+        micro_batches=B // rows,
+        logprob_chunk=SETTINGS[setting]["logprob_chunk"] or B * T,
+        length_bucket=T,
+    )
     tx = make_optimizer(LR, 100, grad_clip=1.0)
     updater = Updater(cfg, update_cfg, tx)
     params = init_params(cfg, jax.random.PRNGKey(0))
@@ -164,8 +176,14 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
     """``[(name, ours, theirs)]``: forward + backward of each part on its own (see the module
     docstring); ``theirs`` is None without torch. Both sides get the same inputs and weights."""
     rng = np.random.default_rng(1)
-    D, F, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.vocab_size)
+    D, F, N, K, H, V = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    )
 
     def normal(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -182,7 +200,9 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
     # attention core: q [B, T, N, H], k, v [B, T, K, H]
     q, k, v, ct_attention = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H), normal(B, T, N, H)
     valid = jnp.ones((B, T), bool)
-    ours = run_jax(lambda q, k, v: jnp.sum(causal_attention(q, k, v, valid, cfg.attention_chunk) * ct_attention), q, k, v)
+    ours = run_jax(
+        lambda q, k, v: jnp.sum(causal_attention(q, k, v, valid, cfg.attention_chunk) * ct_attention), q, k, v
+    )
     theirs = None
     if torch is not None:
         tq, tk, tv = (leaf(np.ascontiguousarray(a.transpose(0, 2, 1, 3))) for a in (q, k, v))
@@ -191,14 +211,20 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
         def theirs():
             out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
             (out * tct_attention).sum().backward()
+
     pairs.append((f"attention core (chunk {cfg.attention_chunk} vs SDPA)", ours, theirs))
 
     # one MLP: x [B, T, D]
     x, ct_mlp = normal(B, T, D), normal(B, T, D)
     gate, up, down = normal(D, F, scale=0.05), normal(D, F, scale=0.05), normal(F, D, scale=0.05)
     mlp = MLP(cfg)
-    ours = run_jax(lambda x, g, u, d: jnp.sum(mlp.apply({"params": {"gate_proj": g, "up_proj": u, "down_proj": d}}, x) * ct_mlp),
-                   x, gate, up, down)
+    ours = run_jax(
+        lambda x, g, u, d: jnp.sum(mlp.apply({"params": {"gate_proj": g, "up_proj": u, "down_proj": d}}, x) * ct_mlp),
+        x,
+        gate,
+        up,
+        down,
+    )
     theirs = None
     if torch is not None:
         tx, tg, tu, td = (leaf(np.ascontiguousarray(a)) for a in (x, gate, up, down))
@@ -207,6 +233,7 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
         def theirs():  # HF's Qwen3MLP: down(silu(gate(x)) * up(x))
             out = torch.nn.functional.silu(tx @ tg) * (tx @ tu) @ td
             (out * tct_mlp).sum().backward()
+
     pairs.append(("MLP (one layer)", ours, theirs))
 
     # LM head + log-softmax gather: hidden [B, T, D], head [D, V]
@@ -221,6 +248,7 @@ def component_pairs(cfg: ModelConfig, B: int, T: int, torch) -> list:
         def theirs():
             logits = torch.nn.functional.linear(th, tw)
             torch.log_softmax(logits, dim=-1).gather(-1, tt[..., None]).sum().backward()
+
     pairs.append(("LM head + log-softmax gather", ours, theirs))
     return pairs
 
@@ -236,22 +264,33 @@ def child(name: str, repeats: int) -> None:
 
 def against_baseline(args) -> None:
     for name in args.configs.split(","):
-        times = alternate_checkouts(pathlib.Path(__file__), ["--child", name, "--repeats", str(args.repeats)], "median_seconds",
-                                    args.baseline, args.rounds)
+        times = alternate_checkouts(
+            pathlib.Path(__file__),
+            ["--child", name, "--repeats", str(args.repeats)],
+            "median_seconds",
+            args.baseline,
+            args.rounds,
+        )
         ours, theirs = statistics.median(times["this tree"]), statistics.median(times[args.baseline])
         B, T = BATCH[name]
-        print(f"{name} (B{B} x T{T}), medians of {args.rounds} alternated children: this tree {ours * 1e3:.0f} ms "
-              f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {ratio(ours, theirs)} faster "
-              f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
-              f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)", flush=True)
+        print(
+            f"{name} (B{B} x T{T}), medians of {args.rounds} alternated children: this tree {ours * 1e3:.0f} ms "
+            f"({B * T / ours:,.0f} tokens/s) vs {theirs * 1e3:.0f} ms at {args.baseline}: {ratio(ours, theirs)} faster "
+            f"(per child: {', '.join(f'{t * 1e3:.0f}' for t in times['this tree'])} vs "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in times[args.baseline])} ms)",
+            flush=True,
+        )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--components", action="store_true", help="then time the attention core, one MLP and the LM head "
-                   "on their own, forward and backward, against torch")
+    p.add_argument(
+        "--components",
+        action="store_true",
+        help="then time the attention core, one MLP and the LM head on their own, forward and backward, against torch",
+    )
     p.add_argument("--baseline", default="", help="a git revision: time the project's update here and there instead")
     p.add_argument("--rounds", type=int, default=4, help="alternated child processes per side (--baseline)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -264,8 +303,11 @@ def main(argv=None):
     torch, transformers = import_torch("the HF side")
     jax_peak, torch_peak = matmul_peak(args.repeats, torch)
     peak = max(jax_peak, torch_peak)
-    print(f"float32 matmul peak (2048^3): jnp.dot {jax_peak / 1e9:.1f} GFLOP/s"
-          + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "") + f"; peak used: {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"float32 matmul peak (2048^3): jnp.dot {jax_peak / 1e9:.1f} GFLOP/s"
+        + (f", torch.mm {torch_peak / 1e9:.1f} GFLOP/s" if torch else "")
+        + f"; peak used: {peak / 1e9:.1f} GFLOP/s"
+    )
     for name in args.configs.split(","):
         B, T = BATCH[name]
         sides, tokens = {}, B * T
@@ -289,9 +331,16 @@ def main(argv=None):
         if args.components:
             for part, ours, theirs in component_pairs(setting_config(name, "default"), B, T, torch):
                 parts, _ = alternate({"ours": ours, **({"theirs": theirs} if theirs else {})}, args.repeats)
-                print(f"  {part}, forward + backward: mtrl-jax {parts['ours'] * 1e3:.1f} ms"
-                      + (f", torch {parts['theirs'] * 1e3:.1f} ms, ratio {ratio(parts['ours'], parts['theirs'])}" if theirs else ""),
-                      flush=True)
+                print(
+                    f"  {part}, forward + backward: mtrl-jax {parts['ours'] * 1e3:.1f} ms"
+                    + (
+                        f", torch {parts['theirs'] * 1e3:.1f} ms, ratio {ratio(parts['ours'], parts['theirs'])}"
+                        if theirs
+                        else ""
+                    ),
+                    flush=True,
+                )
+
 
 if __name__ == "__main__":
     main()

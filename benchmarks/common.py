@@ -26,14 +26,26 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # the embedded default's policy, and a 30M Qwen3 (4 layers, hidden 512, vocabulary 32k)
 SHAPES = {
-    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32),
-    "30m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64),
+    "tiny": dict(
+        vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32
+    ),
+    "30m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+    ),
 }
 
 
 def model_config(name: str, **runtime) -> ModelConfig:
     """A Qwen3 config (q/k norms, tied embeddings) of shape ``name``, with ModelConfig runtime fields."""
-    return ModelConfig(**SHAPES[name], model_type="qwen3", qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0, **runtime)
+    return ModelConfig(
+        **SHAPES[name], model_type="qwen3", qk_norm=True, tie_word_embeddings=True, rope_theta=10000.0, **runtime
+    )
 
 
 def cpu_model() -> str:
@@ -67,7 +79,7 @@ def matmul_peak(repeats: int = 5, n: int = 2048) -> float:
 
 
 def machine_line(peak: bool = True) -> str:
-    """``machine: <CPU model>, <cores>[, <device>]; float32 matmul peak <X> GFLOP/s``, printed first by every benchmark."""
+    """``machine: <CPU model>, <cores>[, <device>]; float32 matmul peak <X> GFLOP/s``: every benchmark's first line."""
     import jax
 
     device = jax.devices()[0]
@@ -102,7 +114,9 @@ def worktree(revision: str):
     """A detached git worktree of ``revision`` in a temporary folder, removed (folder and git's record) on exit."""
     with tempfile.TemporaryDirectory(prefix="bench_baseline_") as folder:
         tree = pathlib.Path(folder) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), revision], cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "-f", str(tree), revision], cwd=REPO, check=True, capture_output=True
+        )
         try:
             yield tree
         finally:
@@ -115,11 +129,15 @@ def child_value(cmd: Sequence[str], cwd: pathlib.Path, key: str, env: Mapping[st
     done = subprocess.run(list(cmd), cwd=cwd, env=dict(env or os.environ), capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(key)]
     if done.returncode or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} in {cwd} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd)} in {cwd} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
     return float(lines[-1].split()[1])
 
 
-def alternate_checkouts(script: pathlib.Path, args: Sequence[str], key: str, revision: str, rounds: int) -> dict[str, list[float]]:
+def alternate_checkouts(
+    script: pathlib.Path, args: Sequence[str], key: str, revision: str, rounds: int
+) -> dict[str, list[float]]:
     """``python SCRIPT ARGS`` (a child that prints ``key <value>``) with ``mtrl_jax`` imported from this
     checkout and from a worktree of ``revision``, alternated ``rounds`` times: ``{"this tree": [...],
     revision: [...]}``. The script itself is this checkout's on both sides (it may not exist there)."""
@@ -146,8 +164,9 @@ def import_torch(what: str):
         import torch
         import transformers
     except ImportError as e:
-        print(f"torch/transformers are not installed ({e}): {what} is skipped "
-              f"(pip install -r tools/requirements-fixtures.txt to measure it)")
+        print(
+            f"torch/transformers are not installed ({e}): {what} is skipped "
+            f"(pip install -r tools/requirements-fixtures.txt to measure it)"
+        )
         return None, None
     return torch, transformers
-

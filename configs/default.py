@@ -108,7 +108,9 @@ def get_config():
     c.rl.aggregation = "token-mean"
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
-    c.rl.kl_coef = 0.3  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.1 hops on more lookups)
+    c.rl.kl_coef = (
+        0.3  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.1 hops on more lookups)
+    )
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
     c.rl.update_epochs = 1
@@ -116,7 +118,8 @@ def get_config():
     c.rl.micro_batches = 8  # of 4 rows each, sorted by length: each is computed at its own length
     # a micro-batch is computed at its longest row rounded up to length_bucket: one compiled branch per
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
-    c.rl.length_bucket = 48  # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (docs/decisions.md)
+    # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (docs/decisions.md)
+    c.rl.length_bucket = 48
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     # dynamic sampling (DAPO): drop groups whose rewards are all equal (no group-relative signal); with
     # filter_max_extra_groups > 0, first generate up to that many extra groups (random training tasks)
@@ -135,7 +138,8 @@ def get_config():
 
     c.warmup = config_dict.ConfigDict()
     # 0: no supervised warm-up (real checkpoints). The tiny policy must learn to copy an identifier out of
-    # search results for RL to learn the hop: after 2,400 steps one seed of three had (docs/decisions.md), after 3,000 all
+    # search results for RL to learn the hop: after 2,400 steps one seed of three had (docs/decisions.md), after
+    # 3,000 all
     c.warmup.steps = 3000
     c.warmup.batch_size = 16
     c.warmup.learning_rate = 3e-3

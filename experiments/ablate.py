@@ -70,13 +70,20 @@ def main(argv=None):
         runs = [out / name / f"seed_{seed}" for seed in range(args.seeds)]
         ndcg = np.array([s["after"]["ndcg@10"] for s in summaries])
         fail = np.array([s["after"]["failure_rate"] for s in summaries])
-        results[name] = {"ndcg@10_mean": float(ndcg.mean()), "ndcg@10_std": float(ndcg.std()),
-                         "failure_rate_mean": float(fail.mean()), "failure_rate_std": float(fail.std()),
-                         "seeds": len(runs), "curves": [validation_curve(w) for w in runs]}
+        results[name] = {
+            "ndcg@10_mean": float(ndcg.mean()),
+            "ndcg@10_std": float(ndcg.std()),
+            "failure_rate_mean": float(fail.mean()),
+            "failure_rate_std": float(fail.std()),
+            "seeds": len(runs),
+            "curves": [validation_curve(w) for w in runs],
+        }
     lines = ["| cell | validation nDCG@10 | failure rate | seeds |", "|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['ndcg@10_mean']:.4f} ± {r['ndcg@10_std']:.4f} | "
-                     f"{r['failure_rate_mean']:.4f} ± {r['failure_rate_std']:.4f} | {r['seeds']} |")
+        lines.append(
+            f"| {name} | {r['ndcg@10_mean']:.4f} ± {r['ndcg@10_std']:.4f} | "
+            f"{r['failure_rate_mean']:.4f} ± {r['failure_rate_std']:.4f} | {r['seeds']} |"
+        )
     table = "\n".join(lines) + "\n"
     (out / "results.md").write_text(table)
     (out / "results.json").write_text(json.dumps(results, indent=2))

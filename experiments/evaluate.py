@@ -5,7 +5,9 @@ checkpoint of a real config). ``--samples=k`` draws k samples per query (at the 
 temperature) for pass@k and max@k; ``--compare=OTHER_OUT`` adds a base -> fine-tuned table.
 """
 
-if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+if (
+    __name__ == "__main__"
+):  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
     from mtrl_jax.host import prepare_process
 
     prepare_process()
@@ -18,7 +20,9 @@ from ml_collections import config_flags
 
 from mtrl_jax.evaluate import run_evaluation
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "ml_collections config file", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py", "ml_collections config file", lock_config=True
+)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "a training work directory (its latest checkpoint is used)")
 _OUT = flags.DEFINE_string("out", "workdirs/eval", "where eval.json, eval.md and the run files go")
 _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per query (k of pass@k and max@k)")

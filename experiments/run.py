@@ -6,7 +6,9 @@ start the same command on each with ``--coordinator_address=HOST:PORT --num_proc
 under SLURM or on a TPU pod slice, and one ``--workdir`` on a file system they share.
 """
 
-if __name__ == "__main__":  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
+if (
+    __name__ == "__main__"
+):  # first: the host allocator (glibc reads its tunables when the process starts; mtrl_jax/host.py)
     from mtrl_jax.host import prepare_process
 
     prepare_process()
@@ -19,14 +21,22 @@ from ml_collections import config_flags
 
 from mtrl_jax import distributed, trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "ml_collections config file", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "checkpoints, logs, trajectories and summary.json go here")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "multi-process: HOST:PORT of process 0 "
-                                   "(default: $JAX_COORDINATOR_ADDRESS)")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py", "ml_collections config file", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "workdirs/default", "checkpoints, logs, trajectories and summary.json go here"
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", "", "multi-process: HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)"
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "multi-process: how many (default: $JAX_NUM_PROCESSES)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", -1, "multi-process: this one's index (default: $JAX_PROCESS_ID)")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "multi-process, with the rest detected by JAX "
-                                 "(SLURM, a Cloud TPU pod slice, Open MPI, Kubernetes)")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed",
+    False,
+    "multi-process, with the rest detected by JAX (SLURM, a Cloud TPU pod slice, Open MPI, Kubernetes)",
+)
 
 
 def main(argv):

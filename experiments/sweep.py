@@ -15,8 +15,15 @@ import time
 from typing import Sequence
 
 
-def run_seeds(config: str, seeds: Sequence[int], out: pathlib.Path, overrides: Sequence[str] = (),
-              per_seed: Sequence[str] = ("--config.seed={seed}",), cwd: pathlib.Path | None = None, label: str = "") -> dict:
+def run_seeds(
+    config: str,
+    seeds: Sequence[int],
+    out: pathlib.Path,
+    overrides: Sequence[str] = (),
+    per_seed: Sequence[str] = ("--config.seed={seed}",),
+    cwd: pathlib.Path | None = None,
+    label: str = "",
+) -> dict:
     """Run ``python -m experiments.run --config=CONFIG`` for each seed in ``<out>/seed_<s>`` (``per_seed``
     flags formatted with the seed, then ``overrides``); returns ``{seed: summary.json}``. Each run's
     wall seconds go to ``<workdir>/wall_seconds.txt``."""
@@ -26,8 +33,16 @@ def run_seeds(config: str, seeds: Sequence[int], out: pathlib.Path, overrides: S
         if (workdir / "summary.json").exists():
             print(f"{label}[seed {seed}] done already", flush=True)
             continue
-        cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}",
-               *[flag.format(seed=seed) for flag in per_seed], "--config.log.progress=False", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            f"--config={config}",
+            f"--workdir={workdir}",
+            *[flag.format(seed=seed) for flag in per_seed],
+            "--config.log.progress=False",
+            *overrides,
+        ]
         print(f"{label}[seed {seed}] " + " ".join(cmd[2:]), flush=True)
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=cwd)

@@ -62,7 +62,9 @@ For each function call, return a json object with function name and arguments wi
 TOOL_PROMPTS = ("schemas", "compact", "template", "auto")
 
 
-def system_prompt(tool_schemas: Sequence[dict], tool_prompt: str = "schemas", instructions: Optional[str] = None) -> str:
+def system_prompt(
+    tool_schemas: Sequence[dict], tool_prompt: str = "schemas", instructions: Optional[str] = None
+) -> str:
     """The system message listing the tools (``{"type": "function", "function": {...}}`` schemas).
 
     ``"schemas"``: the JSON schemas in ``<tools></tools>``, as Qwen chat templates render them;
@@ -70,14 +72,20 @@ def system_prompt(tool_schemas: Sequence[dict], tool_prompt: str = "schemas", in
     every training sequence carries this prompt); ``"template"``: the instructions only, the
     checkpoint's own chat template rendering the tools (``TemplateChat``, given the schemas)."""
     if tool_prompt == "compact":
-        tools = ", ".join(f"{f['function']['name']}({', '.join(f['function']['parameters'].get('properties', {}))})"
-                          for f in tool_schemas)
-        return (f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
-                f"call as {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{TOOL_CALL_CLOSE}")
+        tools = ", ".join(
+            f"{f['function']['name']}({', '.join(f['function']['parameters'].get('properties', {}))})"
+            for f in tool_schemas
+        )
+        return (
+            f"{COMPACT_INSTRUCTIONS if instructions is None else instructions}\nTools: {tools}; "
+            f"call as {TOOL_CALL_OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{TOOL_CALL_CLOSE}"
+        )
     if tool_prompt == "template":  # the checkpoint's chat template renders the tools (TemplateChat)
         return DEFAULT_INSTRUCTIONS if instructions is None else instructions
     if tool_prompt != "schemas":
-        raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got {tool_prompt!r}")
+        raise ValueError(
+            f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got {tool_prompt!r}"
+        )
     schemas = "\n".join(json.dumps(f) for f in tool_schemas)
     return (DEFAULT_INSTRUCTIONS if instructions is None else instructions) + TOOLS_TEMPLATE.format(schemas=schemas)
 
@@ -132,7 +140,9 @@ def _parse_call_body(body: str) -> list[ParsedCall]:
             except (RecursionError, ValueError):
                 pass
         if not isinstance(arguments, dict):
-            calls.append(ParsedCall(call["name"], None, "bad_arguments", f"{call['name']}: arguments must be a JSON object"))
+            calls.append(
+                ParsedCall(call["name"], None, "bad_arguments", f"{call['name']}: arguments must be a JSON object")
+            )
             continue
         calls.append(ParsedCall(call["name"], arguments))
     return calls
@@ -230,7 +240,7 @@ class ChatFormat:
                 continue
             last = 0
             for match in self._control.finditer(text):
-                pending += text[last:match.start()]
+                pending += text[last : match.start()]
                 ids += self.encode(pending) + self.encode(match.group()[0]) + self.encode(match.group()[1:])
                 pending, last = "", match.end()
             pending += text[last:]
@@ -238,7 +248,9 @@ class ChatFormat:
 
     def prompt(self, messages: Sequence[dict]) -> list[int]:
         """Tokens of the opening messages (system, user, ...) plus the assistant header."""
-        return self.encode("".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages) + self._assistant_header())
+        return self.encode(
+            "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages) + self._assistant_header()
+        )
 
     def continuation(self, messages: Sequence[dict]) -> list[int]:
         """Tokens appended after an assistant turn that ended with ``<|im_end|>``: the environment's
@@ -249,7 +261,11 @@ class ChatFormat:
             if messages[i]["role"] == "tool":
                 parts.append((f"{IM_START}user", False))
                 while i < len(messages) and messages[i]["role"] == "tool":
-                    parts += [(f"\n{TOOL_RESPONSE_OPEN}\n", False), (messages[i]["content"], True), (f"\n{TOOL_RESPONSE_CLOSE}", False)]
+                    parts += [
+                        (f"\n{TOOL_RESPONSE_OPEN}\n", False),
+                        (messages[i]["content"], True),
+                        (f"\n{TOOL_RESPONSE_CLOSE}", False),
+                    ]
                     i += 1
                 parts.append((f"{IM_END}\n", False))
             else:
@@ -280,11 +296,16 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Tokenizer:
 
     tokenizer = Tokenizer(models.BPE())
     capitals = pre_tokenizers.Split(Regex(r"\p{Lu}(?=\p{Lu})|(?<=\p{Lu})\p{Lu}"), behavior="isolated")
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), capitals,
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), capitals, pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, IM_START, IM_END, *PROTOCOL_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, IM_START, IM_END, *PROTOCOL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -320,7 +341,9 @@ def template_renders_tools(template: str) -> bool:
     import jinja2
     from jinja2 import meta
 
-    return "tools" in meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+    return "tools" in meta.find_undeclared_variables(
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    )
 
 
 _TURN, _MARK = "\ue000turn\ue000", "\ue000{}\ue001"  # private-use sentinels, never in real text
@@ -352,7 +375,9 @@ class TemplateChat(ChatFormat):
         directory = pathlib.Path(directory)
         config_file = directory / "tokenizer_config.json"
         if not config_file.exists():
-            raise FileNotFoundError(f"{config_file}: not found (model.chat_template='checkpoint' renders with its chat_template)")
+            raise FileNotFoundError(
+                f"{config_file}: not found (model.chat_template='checkpoint' renders with its chat_template)"
+            )
         config = json.loads(config_file.read_text(encoding="utf-8"))
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
@@ -368,25 +393,37 @@ class TemplateChat(ChatFormat):
         for m in messages:
             if "tools" in m:
                 if not self.renders_tools:
-                    raise ValueError("this chat template does not render tools: describe them in the system message "
-                                     "(env.tool_prompt='schemas')")
+                    raise ValueError(
+                        "this chat template does not render tools: describe them in the system message "
+                        "(env.tool_prompt='schemas')"
+                    )
                 tools = m["tools"]
             plain.append({k: v for k, v in m.items() if k != "tools"})
-        return self._compiled.render(messages=plain, tools=tools, add_generation_prompt=add_generation_prompt, **self.variables)
+        return self._compiled.render(
+            messages=plain, tools=tools, add_generation_prompt=add_generation_prompt, **self.variables
+        )
 
     def prompt(self, messages: Sequence[dict]) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True))
 
     def continuation(self, messages: Sequence[dict]) -> list[int]:
         marks = [_MARK.format(i) for i in range(len(messages))]
-        head = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": _TURN}]
-        text = self.render(head + [dict(m, content=mark) for m, mark in zip(messages, marks)], add_generation_prompt=True)
+        head = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": _TURN},
+        ]
+        text = self.render(
+            head + [dict(m, content=mark) for m, mark in zip(messages, marks)], add_generation_prompt=True
+        )
         at = text.find(_TURN)
-        rest = text[at + len(_TURN):] if at >= 0 else ""
+        rest = text[at + len(_TURN) :] if at >= 0 else ""
         if not rest.startswith(IM_END):
-            raise ValueError(f"the chat template does not close an assistant turn with {IM_END} right after its content; "
-                             "its replies cannot be appended to sampled turns")
-        rest, parts = rest[len(IM_END):], []
+            raise ValueError(
+                f"the chat template does not close an assistant turn with {IM_END} right after its content; "
+                "its replies cannot be appended to sampled turns"
+            )
+        rest, parts = rest[len(IM_END) :], []
         for m, mark in zip(messages, marks):
             before, found, rest = rest.partition(mark)
             if not found:

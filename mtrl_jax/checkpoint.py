@@ -50,8 +50,9 @@ def check_finite(tree, what: str) -> None:
     counts = jax.device_get(_nonfinite_counts([leaf for _, leaf in leaves]))
     for (path, leaf), count in zip(leaves, counts):
         if count:
-            raise CheckpointError(f"{what}: tensor {jax.tree_util.keystr(path)} holds non-finite values "
-                                  f"({int(count)} of {leaf.size})")
+            raise CheckpointError(
+                f"{what}: tensor {jax.tree_util.keystr(path)} holds non-finite values ({int(count)} of {leaf.size})"
+            )
 
 
 @dataclasses.dataclass
@@ -65,15 +66,23 @@ class RunRecord:
     before: Optional[dict] = None  # validation metrics of the policy RL started from
 
     def to_json(self) -> dict:
-        return {"rl_step": self.rl_step, "cursor": self.cursor.to_json(), "before": self.before,
-                "staleness": {"dropped_groups": self.dropped_groups, "max_seen": self.max_staleness_seen}}
+        return {
+            "rl_step": self.rl_step,
+            "cursor": self.cursor.to_json(),
+            "before": self.before,
+            "staleness": {"dropped_groups": self.dropped_groups, "max_seen": self.max_staleness_seen},
+        }
 
     @classmethod
     def from_json(cls, record: Any, source: str) -> "RunRecord":
         try:
-            return cls(rl_step=int(record["rl_step"]), cursor=DataCursor.from_json(record["cursor"], source),
-                       dropped_groups=int(record["staleness"]["dropped_groups"]),
-                       max_staleness_seen=int(record["staleness"]["max_seen"]), before=record["before"])
+            return cls(
+                rl_step=int(record["rl_step"]),
+                cursor=DataCursor.from_json(record["cursor"], source),
+                dropped_groups=int(record["staleness"]["dropped_groups"]),
+                max_staleness_seen=int(record["staleness"]["max_seen"]),
+                before=record["before"],
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source}: malformed run record ({e!r})") from None
 
@@ -88,16 +97,22 @@ class Checkpoints:
 
     def __init__(self, workdir: pathlib.Path, keep: int = 2):
         self.workdir = pathlib.Path(workdir).absolute()
-        self.manager = ocp.CheckpointManager(self.workdir / "checkpoints",
-                                             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.manager = ocp.CheckpointManager(
+            self.workdir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
     def save(self, state: TrainState, record: RunRecord) -> None:
         """Write checkpoint ``record.rl_step`` and wait until it is on disk."""
-        self.manager.save(record.rl_step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state._asdict()), record=ocp.args.JsonSave(record.to_json())))
+        self.manager.save(
+            record.rl_step,
+            force=True,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state._asdict()), record=ocp.args.JsonSave(record.to_json())
+            ),
+        )
         self.manager.wait_until_finished()
 
     def restore(self, like: TrainState) -> Optional[tuple[TrainState, RunRecord]]:
@@ -113,13 +128,17 @@ class Checkpoints:
         for step in steps:
             where = str(self.workdir / "checkpoints" / str(step))
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                              record=ocp.args.JsonRestore()))
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()),
+                )
                 record = RunRecord.from_json(restored["record"], where)
                 if record.rl_step != step:
                     raise ValueError(f"{where}: its run record says RL step {record.rl_step}")
             except Exception as e:  # noqa: BLE001 - any damage: try the one before
-                log.warning("checkpoint %s is damaged (%s: %s); trying the one before", where, type(e).__name__, str(e)[:300])
+                log.warning(
+                    "checkpoint %s is damaged (%s: %s); trying the one before", where, type(e).__name__, str(e)[:300]
+                )
                 failures.append(f"{where}: {type(e).__name__}")
                 continue
             state = TrainState(**restored["state"])
@@ -139,8 +158,10 @@ class Checkpoints:
 
     def restore_reference(self, like):
         if not self.reference_path.exists():
-            raise FileNotFoundError(f"{self.reference_path}: rl.kl_coef is set but this run has no KL reference policy "
-                                    "(it started with rl.kl_coef=0); resume it with rl.kl_coef=0 or use a new workdir")
+            raise FileNotFoundError(
+                f"{self.reference_path}: rl.kl_coef is set but this run has no KL reference policy "
+                "(it started with rl.kl_coef=0); resume it with rl.kl_coef=0 or use a new workdir"
+            )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         params = ocp.StandardCheckpointer().restore(self.reference_path, abstract)
         check_finite(params, str(self.reference_path))
@@ -200,8 +221,10 @@ class WorkdirLock:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise RuntimeError(f"{self.path}: the work directory is in use by {holder}; "
-                               "wait for that run to end or use another --workdir") from None
+            raise RuntimeError(
+                f"{self.path}: the work directory is in use by {holder}; "
+                "wait for that run to end or use another --workdir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

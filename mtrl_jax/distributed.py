@@ -30,8 +30,9 @@ from jax.sharding import Mesh, NamedSharding
 log = logging.getLogger("mtrl_jax")
 
 
-def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
-               auto_detect: bool = False) -> bool:
+def initialize(
+    coordinator_address: str = "", num_processes: int = 0, process_id: int = -1, auto_detect: bool = False
+) -> bool:
     """Join a multi-process run before any JAX computation; returns whether one was joined.
 
     Explicit values win; empty ones fall back to ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``
@@ -45,21 +46,38 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
     if not (coordinator_address or num_processes or process_id >= 0 or auto_detect):
         return False
     if not auto_detect:
-        missing = [name for name, given in (("coordinator_address", coordinator_address), ("num_processes", num_processes),
-                                            ("process_id", process_id >= 0)) if not given]
+        missing = [
+            name
+            for name, given in (
+                ("coordinator_address", coordinator_address),
+                ("num_processes", num_processes),
+                ("process_id", process_id >= 0),
+            )
+            if not given
+        ]
         if missing:
-            raise ValueError(f"a multi-process run needs --coordinator_address, --num_processes and --process_id "
-                             f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing: {', '.join(missing)}; "
-                             "or pass --distributed to let JAX detect SLURM / a TPU pod slice")
+            raise ValueError(
+                f"a multi-process run needs --coordinator_address, --num_processes and --process_id "
+                f"(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing: {', '.join(missing)}; "
+                "or pass --distributed to let JAX detect SLURM / a TPU pod slice"
+            )
         if not 0 <= process_id < num_processes:
             raise ValueError(f"process_id {process_id} is not in [0, num_processes={num_processes})")
     # CPU devices talk to other processes through gloo (GPUs use NCCL, TPUs their interconnect)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = {} if auto_detect and not coordinator_address else dict(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    kwargs = (
+        {}
+        if auto_detect and not coordinator_address
+        else dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    )
     jax.distributed.initialize(**kwargs)
-    log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d of %d: %d local devices, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -75,7 +93,7 @@ def share(items: Sequence, unit: int = 1) -> list:
     if len(items) % unit:
         raise ValueError(f"{len(items)} items do not split into blocks of {unit}")
     blocks, count, index = len(items) // unit, jax.process_count(), jax.process_index()
-    return list(items[index * blocks // count * unit:(index + 1) * blocks // count * unit])
+    return list(items[index * blocks // count * unit : (index + 1) * blocks // count * unit])
 
 
 def exchange(items: Sequence) -> list:
@@ -85,11 +103,11 @@ def exchange(items: Sequence) -> list:
     data = np.frombuffer(pickle.dumps(list(items), protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = multihost_utils.process_allgather(np.array([data.size], np.int32)).reshape(-1)
     buffer = np.zeros(int(sizes.max()), np.uint8)
-    buffer[:data.size] = data
+    buffer[: data.size] = data
     gathered = multihost_utils.process_allgather(buffer).reshape(len(sizes), -1)
     out = []
     for p, size in enumerate(sizes):
-        out += pickle.loads(gathered[p, :int(size)].tobytes())
+        out += pickle.loads(gathered[p, : int(size)].tobytes())
     return out
 
 

@@ -2,7 +2,8 @@
 dataset, built from ``setup`` and ``checkpoint`` (no training run, no optimizer state in memory).
 
 Writes per dataset, and per task type within it: nDCG@10 (failures 0), failure rate and by reason,
-mean turns, tool calls per episode, pass@k / max@k with several samples (``mtrl_jax.metrics``), a TREC run of the first sample
+mean turns, tool calls per episode, pass@k / max@k with several samples (``mtrl_jax.metrics``), a TREC run of the first
+sample
 and the trajectories; ``--compare`` adds a base -> fine-tuned table.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -28,11 +30,15 @@ def markdown_table(results: dict, k: int | None = None) -> str:
     """One row per dataset, the headline metrics of ``results`` ({dataset: summarize(...)}), then one
     per task type of a dataset whose tasks have types of their own."""
     cols = ["queries", "ndcg@10", "failure_rate", "mean_turns"] + ([f"pass@{k}", f"max@{k}"] if k and k > 1 else [])
-    lines = ["| dataset | " + " | ".join(cols) + " | failures by reason | tool calls / episode |",
-             "|---|" + "---|" * (len(cols) + 2)]
+    lines = [
+        "| dataset | " + " | ".join(cols) + " | failures by reason | tool calls / episode |",
+        "|---|" + "---|" * (len(cols) + 2),
+    ]
     for name, m in results.items():
         kinds = m.get("by_type", {})
-        rows = [(name, m)] + ([(f"{name} · {kind}", v) for kind, v in kinds.items()] if len(kinds) > 1 or name not in kinds else [])
+        rows = [(name, m)] + (
+            [(f"{name} · {kind}", v) for kind, v in kinds.items()] if len(kinds) > 1 or name not in kinds else []
+        )
         for label, row in rows:
             cells = [f"{row[c]}" if c == "queries" else f"{row[c]:.4f}" for c in cols]
             reasons = ", ".join(f"{r} {v:.3f}" for r, v in row["failure_rate_by_reason"].items()) or "-"
@@ -47,7 +53,9 @@ def comparison_table(base: dict, tuned: dict, base_label: str = "base", tuned_la
     for name in tuned:
         if name not in base:
             continue
-        for metric in [m for m in tuned[name] if isinstance(tuned[name][m], float) and m in base[name] and m != "pass_threshold"]:
+        for metric in [
+            m for m in tuned[name] if isinstance(tuned[name][m], float) and m in base[name] and m != "pass_threshold"
+        ]:
             b, t = base[name][metric], tuned[name][metric]
             rel = f"{(t - b) / abs(b) * 100:+.1f}%" if b else ("n/a" if t == b else "new")
             lines.append(f"| {name} | {metric} | {b:.4f} | {t:.4f} | {t - b:+.4f} ({rel}) |")
@@ -66,12 +74,29 @@ def run_episodes(collector: Collector, tasks: Sequence, key: jax.Array, samples:
     """``samples`` episodes of each task (consecutive), episode ``i * samples + s`` with the key
     ``fold_in(key, i * samples + s)``; trajectories in that order. With several processes each runs
     its share of the tasks and every process gets all trajectories back (a collective)."""
-    requests = [EpisodeRequest(t, i, s, jax.random.fold_in(key, i * samples + s)) for i, t in enumerate(tasks) for s in range(samples)]
+    requests = [
+        EpisodeRequest(t, i, s, jax.random.fold_in(key, i * samples + s))
+        for i, t in enumerate(tasks)
+        for s in range(samples)
+    ]
     return distributed.exchange(collector.run(distributed.share(requests, samples)))
 
 
-def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: int = 1, tau: float = 0.5,
-                   compare: Optional[str] = None) -> dict:
+def evaluate_policy(
+    collector: Collector, tasks: Sequence, key: jax.Array, trajectories_path: Optional[pathlib.Path] = None
+) -> dict:
+    """One greedy (or sampled, at the collector's temperature) episode per task: ``summarize``'s metrics and
+    the seconds it took; the trajectories written to ``trajectories_path`` when given."""
+    start = time.perf_counter()
+    trajectories = run_episodes(collector, tasks, key)
+    if trajectories_path is not None:
+        write_trajectories(trajectories_path, trajectories)
+    return {**summarize(trajectories), "seconds": time.perf_counter() - start}
+
+
+def run_evaluation(
+    config, out_dir, checkpoint: Optional[str] = None, samples: int = 1, tau: float = 0.5, compare: Optional[str] = None
+) -> dict:
     """Evaluate a trained work directory (``checkpoint``: its latest checkpoint) or the base policy on
     the held-out tasks of every dataset of ``config``; writes ``eval.json``, ``eval.md``, one TREC run
     file per dataset (first sample) and, with ``compare``, ``compare.md``."""
@@ -86,10 +111,17 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
         params = components.params
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
-    collector_cfg = dataclasses.replace(fitted_slots(components.collector, *eval_rows(components, samples)), temperature=temperature,
-                                        tool_workers=0)  # deterministic; no more rows than episodes
-    collector = Collector(components.model_cfg, components.chat, components.env, collector_cfg,
-                          PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0), components.rollout_mesh)
+    collector_cfg = dataclasses.replace(
+        fitted_slots(components.collector, *eval_rows(components, samples)), temperature=temperature, tool_workers=0
+    )  # deterministic; no more rows than episodes
+    collector = Collector(
+        components.model_cfg,
+        components.chat,
+        components.env,
+        collector_cfg,
+        PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0),
+        components.rollout_mesh,
+    )
     key = rng.key(config.seed, "evaluate")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -100,8 +132,11 @@ def run_evaluation(config, out_dir, checkpoint: Optional[str] = None, samples: i
         trajectories = run_episodes(collector, tasks, key, samples)
         results[name] = summarize(trajectories, samples, k=samples if samples > 1 else None, tau=tau)
         with open(out / f"{name}.run", "w") as f:
-            write_trec_run(f, {t.task_id.split("/", 1)[-1]: traj.final_ranking
-                               for t, traj in zip(tasks, trajectories[::samples])}, tag="mtrl_jax")
+            write_trec_run(
+                f,
+                {t.task_id.split("/", 1)[-1]: traj.final_ranking for t, traj in zip(tasks, trajectories[::samples])},
+                tag="mtrl_jax",
+            )
         write_trajectories(out / f"{name}.trajectories.jsonl", trajectories)
     (out / "eval.json").write_text(json.dumps(results, indent=2))
     (out / "eval.md").write_text(markdown_table(results, samples))

@@ -7,7 +7,8 @@ returns it to the kernel on ``free``, so each such buffer of each call is page-f
 zeroing pages it had a moment ago. Two ``mallopt`` settings keep freed blocks for reuse instead:
 no block is mmapped below ``MMAP_THRESHOLD`` and the heap is not trimmed below ``TRIM_THRESHOLD``.
 Measured against glibc's defaults side by side, it made the tiny policy's update 1.5x faster
-(``docs/decisions.md``, "Host allocator"). The cost is memory: up to ``TRIM_THRESHOLD`` of freed heap stays with the process.
+(``docs/decisions.md``, "Host and compiler"). The cost is memory: up to ``TRIM_THRESHOLD`` of freed heap stays with
+the process.
 
 The thresholds act on the main arena only. A thread that finds the main arena busy gets an arena of
 its own, made of heaps of at most 64 MiB, and a larger block there is mmapped whatever the threshold:

@@ -17,6 +17,7 @@ import collections
 import json
 import math
 import pathlib
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -47,13 +48,16 @@ def trajectory_score(traj) -> float:
     return float(traj.reward) if traj.status == "ok" else 0.0
 
 
-def summarize(trajectories: Sequence, samples_per_task: int = 1, k: int | None = None, tau: float = 0.5,
-              by_type: bool = True) -> dict:
+def summarize(
+    trajectories: Sequence, samples_per_task: int = 1, k: int | None = None, tau: float = 0.5, by_type: bool = True
+) -> dict:
     """Metrics of ``trajectories`` laid out as consecutive groups of ``samples_per_task`` per task;
     with ``by_type``, the same metrics of each task type (``Trajectory.task_type``) under ``"by_type"``."""
     out = _summarize(trajectories, samples_per_task, k, tau)
     if by_type:
-        out["by_type"] = {kind: _summarize(subset, samples_per_task, k, tau) for kind, subset in split_by_type(trajectories).items()}
+        out["by_type"] = {
+            kind: _summarize(subset, samples_per_task, k, tau) for kind, subset in split_by_type(trajectories).items()
+        }
     return out
 
 
@@ -101,8 +105,11 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
 def peak_device_memory_gib() -> Optional[float]:
     """The largest ``peak_bytes_in_use`` of this process's devices, in GiB; ``None`` where the
     backend reports no memory statistics (CPU)."""
-    peaks = [stats["peak_bytes_in_use"] for stats in (d.memory_stats() for d in jax.local_devices())
-             if stats and "peak_bytes_in_use" in stats]
+    peaks = [
+        stats["peak_bytes_in_use"]
+        for stats in (d.memory_stats() for d in jax.local_devices())
+        if stats and "peak_bytes_in_use" in stats
+    ]
     return max(peaks) / 2**30 if peaks else None
 
 
@@ -138,10 +145,14 @@ class CompileCounter:
 def rollout_metrics(trajectories: Sequence) -> dict:
     """The scalars logged for the trajectories of one RL step."""
     s = summarize(trajectories, by_type=False)
-    out = {"reward/mean": float(np.mean([t.reward for t in trajectories])), "reward/ndcg@10": s["ndcg@10"],
-           "episodes/failure_rate": s["failure_rate"], "episodes/mean_turns": s["mean_turns"],
-           "episodes/tool_errors_per_episode": s["tool_errors_per_episode"],
-           "throughput/sampled_tokens": float(sum(t.num_sampled for t in trajectories))}
+    out = {
+        "reward/mean": float(np.mean([t.reward for t in trajectories])),
+        "reward/ndcg@10": s["ndcg@10"],
+        "episodes/failure_rate": s["failure_rate"],
+        "episodes/mean_turns": s["mean_turns"],
+        "episodes/tool_errors_per_episode": s["tool_errors_per_episode"],
+        "throughput/sampled_tokens": float(sum(t.num_sampled for t in trajectories)),
+    }
     out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
     out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_episode"].items()})
     return out
@@ -186,12 +197,17 @@ def flatten(d: dict, prefix: str) -> dict:
 
 def headline(label: str, m: dict) -> str:
     """Validation metrics as the run prints them: one line, and one per task type when there are several."""
-    line = (f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
-            f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}")
+    line = (
+        f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
+        f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}"
+    )
     kinds = m.get("by_type", {})
     if len(kinds) > 1:
-        line += "".join(f"\n    {kind}: nDCG@10 {v['ndcg@10']:.4f}, failure rate {v['failure_rate']:.3f}, mean turns "
-                        f"{v['mean_turns']:.2f}, queries {v['queries']}" for kind, v in kinds.items())
+        line += "".join(
+            f"\n    {kind}: nDCG@10 {v['ndcg@10']:.4f}, failure rate {v['failure_rate']:.3f}, mean turns "
+            f"{v['mean_turns']:.2f}, queries {v['queries']}"
+            for kind, v in kinds.items()
+        )
     return line
 
 
@@ -244,3 +260,10 @@ class MetricsLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def progress_bar(enabled: bool, start: int, total: int):
+    """The RL steps' progress bar on stdout (tqdm), from ``start`` of ``total``; a no-op when not ``enabled``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="MTRL", unit="step", disable=not enabled, file=sys.stdout)

@@ -32,7 +32,7 @@ from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
-from mtrl_jax.rollout.selection import TRUNCATION_MODES
+from mtrl_jax.rollout.selection import TRUNCATION_MODES, GroupSelector
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.search.tools import check_service
@@ -78,10 +78,14 @@ class WarmupSettings:
     top_k_probs: tuple[float, ...]
     hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
     hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
-    hop_drills: int = 0  # extra forced-hop demonstrations per question, the decision to hop untrained (warmup.hop_drills)
+    hop_drills: int = (
+        0  # extra forced-hop demonstrations per question, the decision to hop untrained (warmup.hop_drills)
+    )
     share_prefix: bool = True  # the prompt every demonstration opens with computed once per step (warmup.share_prefix)
     full_every: int = 8  # one step in this many trains on whole demonstrations (warmup.full_every)
-    two_turn_every: int = 2  # one step in this many on the demonstrations cut after their second turn (warmup.two_turn_every)
+    two_turn_every: int = (
+        2  # one step in this many on the demonstrations cut after their second turn (warmup.two_turn_every)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Components:
     schedule: TaskSchedule
     run: RunSettings
     warmup: Optional[WarmupSettings]  # None: no supervised warm-up (a real checkpoint, or warmup.steps=0)
+    selector: GroupSelector  # which groups of an RL step train
 
 
 # ----------------------------------------------------------------------------- data and environment
@@ -127,7 +132,9 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
     weights = csv(config.data.weights)
     if weights:
         if len(weights) != len(collections):
-            raise ValueError(f"data.weights has {len(weights)} entries for {len(collections)} collections {list(collections)}")
+            raise ValueError(
+                f"data.weights has {len(weights)} entries for {len(collections)} collections {list(collections)}"
+            )
         try:
             weight_map = dict(zip(collections, map(float, weights)))
         except ValueError:
@@ -147,11 +154,21 @@ def build_environment(config, collections: Mapping[str, Collection]) -> Environm
     if config.search.remote_url:  # a dead server is an error now, not retries during every episode
         check_service(config.search.remote_url)
     settings = SearchSettings(
-        tools=tuple(csv(config.search.tools)), encoder=config.search.encoder, tfidf_dim=config.search.tfidf_dim,
-        index_type=config.search.index_type, top_k=config.search.top_k, max_doc_chars=config.search.max_doc_chars,
-        cache_dir=config.search.cache_dir or None, remote_url=config.search.remote_url or None)
-    env_cfg = SearchEnvConfig(max_turns=config.env.max_turns, answer_fallback=config.env.answer_fallback,
-                              max_answer_docs=config.env.max_answer_docs, tool_prompt=resolve_tool_prompt(config))
+        tools=tuple(csv(config.search.tools)),
+        encoder=config.search.encoder,
+        tfidf_dim=config.search.tfidf_dim,
+        index_type=config.search.index_type,
+        top_k=config.search.top_k,
+        max_doc_chars=config.search.max_doc_chars,
+        cache_dir=config.search.cache_dir or None,
+        remote_url=config.search.remote_url or None,
+    )
+    env_cfg = SearchEnvConfig(
+        max_turns=config.env.max_turns,
+        answer_fallback=config.env.answer_fallback,
+        max_answer_docs=config.env.max_answer_docs,
+        tool_prompt=resolve_tool_prompt(config),
+    )
     return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
 
 
@@ -160,14 +177,20 @@ def _checkpoint_chat(config) -> Optional[TemplateChat]:
     renders with the checkpoint's own jinja template (``TemplateChat``)."""
     m = config.model
     if m.chat_template not in ("", "checkpoint"):
-        raise ValueError(f"model.chat_template must be '' (hand-written ChatML) or 'checkpoint', got {m.chat_template!r}")
+        raise ValueError(
+            f"model.chat_template must be '' (hand-written ChatML) or 'checkpoint', got {m.chat_template!r}"
+        )
     if m.chat_template != "checkpoint":
         return None
     if not m.checkpoint:
-        raise ValueError("model.chat_template='checkpoint' needs model.checkpoint (a directory with tokenizer_config.json)")
+        raise ValueError(
+            "model.chat_template='checkpoint' needs model.checkpoint (a directory with tokenizer_config.json)"
+        )
     if m.assistant_prefix:
-        raise ValueError("model.assistant_prefix applies to the hand-written ChatML only; with model.chat_template="
-                         "'checkpoint' the template's generation prompt is used")
+        raise ValueError(
+            "model.assistant_prefix applies to the hand-written ChatML only; with model.chat_template="
+            "'checkpoint' the template's generation prompt is used"
+        )
     return TemplateChat.from_checkpoint(m.checkpoint)
 
 
@@ -179,13 +202,20 @@ def resolve_tool_prompt(config) -> str:
     if tool_prompt == "auto":
         return "template" if chat is not None and chat.renders_tools else "schemas"
     if tool_prompt == "template" and (chat is None or not chat.renders_tools):
-        raise ValueError("env.tool_prompt='template' needs model.chat_template='checkpoint' with a chat template that renders "
-                         "tools" + ("" if chat is None else f" (the one in {config.model.checkpoint} does not)"))
+        raise ValueError(
+            "env.tool_prompt='template' needs model.chat_template='checkpoint' with a chat template that renders "
+            "tools" + ("" if chat is None else f" (the one in {config.model.checkpoint} does not)")
+        )
     return tool_prompt
 
 
-def build_chat(config, workdir: pathlib.Path, collections: Mapping[str, Collection], env: Environment,
-               train_if_missing: bool = True) -> ChatFormat:
+def build_chat(
+    config,
+    workdir: pathlib.Path,
+    collections: Mapping[str, Collection],
+    env: Environment,
+    train_if_missing: bool = True,
+) -> ChatFormat:
     """The checkpoint's tokenizer (rendered with its own chat template for ``model.chat_template=
     "checkpoint"``), ``model.tokenizer``, or (the tiny default) ``<workdir>/tokenizer.json``,
     trained on the corpus and the protocol's strings the first time and reused on resume."""
@@ -230,17 +260,35 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
     m = config.model
     if m.scan_unroll < 0:
         raise ValueError(f"model.scan_unroll must be >= 0 (0: every layer unrolled), got {m.scan_unroll}")
-    runtime = dict(remat=m.remat, attention_impl=m.attention_impl or None, attention_chunk=m.attention_chunk,
-                   scan_unroll=m.scan_unroll)
+    runtime = dict(
+        remat=m.remat,
+        attention_impl=m.attention_impl or None,
+        attention_chunk=m.attention_chunk,
+        scan_unroll=m.scan_unroll,
+    )
     if m.checkpoint:
         model, params = load_hf_checkpoint(m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, **runtime)
         if model.config.vocab_size < vocab_size:
-            raise ValueError(f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}")
+            raise ValueError(
+                f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}"
+            )
         return model.config, params
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=m.tiny_hidden, intermediate_size=m.tiny_intermediate,
-                      num_layers=m.tiny_layers, num_heads=m.tiny_heads, num_kv_heads=m.tiny_kv_heads,
-                      head_dim=m.tiny_head_dim, model_type="qwen3", qk_norm=True, tie_word_embeddings=True,
-                      rope_theta=10000.0, dtype=m.dtype, param_dtype=m.param_dtype, **runtime)
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.tiny_hidden,
+        intermediate_size=m.tiny_intermediate,
+        num_layers=m.tiny_layers,
+        num_heads=m.tiny_heads,
+        num_kv_heads=m.tiny_kv_heads,
+        head_dim=m.tiny_head_dim,
+        model_type="qwen3",
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        **runtime,
+    )
     return cfg, init_params(cfg, rng.key(config.seed, "params"), mesh)
 
 
@@ -251,15 +299,29 @@ def update_config(config) -> UpdateConfig:
     rl = config.rl
     norm_len = config.rollout.max_len if rl.aggregation == "seq-mean-token-sum-norm" else None
     return UpdateConfig(
-        objective=ObjectiveConfig(loss=rl.loss, loss_options=tuple(sorted(parse_options(rl.loss_options, "rl.loss_options", LOSSES, rl.loss).items())),
-                                  aggregation=rl.aggregation, norm_len=norm_len, tis_cap=rl.tis_cap, kl_coef=rl.kl_coef,
-                                  kl_estimator=rl.kl_estimator, entropy_coef=rl.entropy_coef),
+        objective=ObjectiveConfig(
+            loss=rl.loss,
+            loss_options=tuple(sorted(parse_options(rl.loss_options, "rl.loss_options", LOSSES, rl.loss).items())),
+            aggregation=rl.aggregation,
+            norm_len=norm_len,
+            tis_cap=rl.tis_cap,
+            kl_coef=rl.kl_coef,
+            kl_estimator=rl.kl_estimator,
+            entropy_coef=rl.entropy_coef,
+        ),
         advantage=rl.advantage,
-        advantage_options=tuple(sorted(parse_options(rl.advantage_options, "rl.advantage_options", ESTIMATORS, rl.advantage).items())),
+        advantage_options=tuple(
+            sorted(parse_options(rl.advantage_options, "rl.advantage_options", ESTIMATORS, rl.advantage).items())
+        ),
         # the sampler's convention: temperature <= 0 is greedy, and its behaviour log-probs are at temperature 1
-        temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0, old_logp=rl.old_logp, update_epochs=rl.update_epochs,
-        mini_batches=rl.mini_batches, micro_batches=rl.micro_batches, logprob_chunk=rl.logprob_chunk,
-        length_bucket=rl.length_bucket)
+        temperature=config.rollout.temperature if config.rollout.temperature > 0 else 1.0,
+        old_logp=rl.old_logp,
+        update_epochs=rl.update_epochs,
+        mini_batches=rl.mini_batches,
+        micro_batches=rl.micro_batches,
+        logprob_chunk=rl.logprob_chunk,
+        length_bucket=rl.length_bucket,
+    )
 
 
 def collector_config(config) -> CollectorConfig:
@@ -268,9 +330,17 @@ def collector_config(config) -> CollectorConfig:
         raise ValueError(f"rollout_max_concurrency must be >= 1, got {config.rollout_max_concurrency}")
     if r.max_tokens_per_turn < 1:
         raise ValueError(f"rollout.max_tokens_per_turn must be >= 1, got {r.max_tokens_per_turn}")
-    return CollectorConfig(slots=config.rollout_max_concurrency, max_len=r.max_len, max_tokens_per_turn=r.max_tokens_per_turn,
-                           decode_chunk=r.decode_chunk, temperature=r.temperature, top_p=r.top_p, tool_workers=r.tool_workers,
-                           precompile=r.precompile, share_prefixes=r.share_prefixes)
+    return CollectorConfig(
+        slots=config.rollout_max_concurrency,
+        max_len=r.max_len,
+        max_tokens_per_turn=r.max_tokens_per_turn,
+        decode_chunk=r.decode_chunk,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        tool_workers=r.tool_workers,
+        precompile=r.precompile,
+        share_prefixes=r.share_prefixes,
+    )
 
 
 def run_settings(config, rows_divisor: int) -> RunSettings:
@@ -283,8 +353,10 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
     if config.checkpoint.every_steps < 1:
         raise ValueError(f"checkpoint.every_steps must be >= 1, got {config.checkpoint.every_steps}")
     if config.rollout.group_size < 2:
-        raise ValueError(f"rollout.group_size must be >= 2: group-relative advantages of a single sample are 0, "
-                         f"so nothing would be learnt (got {config.rollout.group_size})")
+        raise ValueError(
+            f"rollout.group_size must be >= 2: group-relative advantages of a single sample are 0, "
+            f"so nothing would be learnt (got {config.rollout.group_size})"
+        )
     if not config.optim.learning_rate > 0:
         raise ValueError(f"optim.learning_rate must be > 0, got {config.optim.learning_rate}")
     if config.rl.max_nonfinite_steps < 1:
@@ -292,23 +364,38 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
     if config.rl.filter_max_extra_groups < 0:
         raise ValueError(f"rl.filter_max_extra_groups must be >= 0, got {config.rl.filter_max_extra_groups}")
     if config.rl.filter_max_extra_groups and not config.rl.filter_groups:
-        raise ValueError("rl.filter_max_extra_groups > 0 refills the groups rl.filter_groups drops: set rl.filter_groups=True")
+        raise ValueError(
+            "rl.filter_max_extra_groups > 0 refills the groups rl.filter_groups drops: set rl.filter_groups=True"
+        )
     if config.rl.truncation not in TRUNCATION_MODES:
         raise ValueError(f"rl.truncation must be one of {TRUNCATION_MODES}, got {config.rl.truncation!r}")
     if not 0 < config.data.validation_fraction < 1:
         raise ValueError(f"data.validation_fraction must be in (0, 1), got {config.data.validation_fraction}")
     rows = config.global_batch_size * config.rollout.group_size
     if rows % rows_divisor:
-        raise ValueError(f"rl.mini_batches x rl.micro_batches = {rows_divisor} does not divide the {rows} trajectories of a "
-                         f"step (global_batch_size x rollout.group_size)")
+        raise ValueError(
+            f"rl.mini_batches x rl.micro_batches = {rows_divisor} does not divide the {rows} trajectories of a "
+            f"step (global_batch_size x rollout.group_size)"
+        )
     return RunSettings(
-        seed=config.seed, global_batch_size=config.global_batch_size, group_size=config.rollout.group_size, total_steps=0,
-        asynchronous=config.rollout.asynchronous, max_staleness=config.rollout.max_staleness,
-        batch_length=bucket(config.rollout.max_len, config.rl.length_bucket), checkpoint_every=config.checkpoint.every_steps,
-        checkpoint_keep=config.checkpoint.keep, eval_every=config.eval.every_steps,
-        eval_temperature=config.eval.temperature, log_trajectories=config.log.trajectories, log_progress=config.log.progress,
-        max_nonfinite_steps=config.rl.max_nonfinite_steps, filter_groups=config.rl.filter_groups,
-        filter_max_extra_groups=config.rl.filter_max_extra_groups, truncation=config.rl.truncation)
+        seed=config.seed,
+        global_batch_size=config.global_batch_size,
+        group_size=config.rollout.group_size,
+        total_steps=0,
+        asynchronous=config.rollout.asynchronous,
+        max_staleness=config.rollout.max_staleness,
+        batch_length=bucket(config.rollout.max_len, config.rl.length_bucket),
+        checkpoint_every=config.checkpoint.every_steps,
+        checkpoint_keep=config.checkpoint.keep,
+        eval_every=config.eval.every_steps,
+        eval_temperature=config.eval.temperature,
+        log_trajectories=config.log.trajectories,
+        log_progress=config.log.progress,
+        max_nonfinite_steps=config.rl.max_nonfinite_steps,
+        filter_groups=config.rl.filter_groups,
+        filter_max_extra_groups=config.rl.filter_max_extra_groups,
+        truncation=config.rl.truncation,
+    )
 
 
 def warmup_settings(config) -> Optional[WarmupSettings]:
@@ -325,12 +412,22 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.full_every must be >= 1, got {w.full_every}")
     if w.two_turn_every < 0:
         raise ValueError(f"warmup.two_turn_every must be >= 0 (0: never), got {w.two_turn_every}")
-    return WarmupSettings(steps=w.steps, batch_size=w.batch_size, learning_rate=w.learning_rate, augment=w.augment,
-                          tools=tools, tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
-                          top_ks=tuple(top_ks), top_k_probs=tuple(top_k_probs.tolist()), hop=w.teacher_hop,
-                          hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
-                          hop_drills=int(w.hop_drills), share_prefix=bool(w.share_prefix),
-                          full_every=int(w.full_every), two_turn_every=int(w.two_turn_every))
+    return WarmupSettings(
+        steps=w.steps,
+        batch_size=w.batch_size,
+        learning_rate=w.learning_rate,
+        augment=w.augment,
+        tools=tools,
+        tool_probs=tuple(parse_tool_weights(w.teacher_tools, tools).tolist()),
+        top_ks=tuple(top_ks),
+        top_k_probs=tuple(top_k_probs.tolist()),
+        hop=w.teacher_hop,
+        hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
+        hop_drills=int(w.hop_drills),
+        share_prefix=bool(w.share_prefix),
+        full_every=int(w.full_every),
+        two_turn_every=int(w.two_turn_every),
+    )
 
 
 def use_compilation_cache(config) -> Optional[str]:
@@ -354,7 +451,9 @@ def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
     empty question (a question only adds tokens to it). The update and the sampler compile no program
     for the lengths below it (``UpdateConfig.min_length``, ``CollectorConfig.min_prompt``); a bound
     that were too high would cost padding or a compile on demand, never a wrong result."""
-    return min(len(chat.prompt(env.reset(Task(f"{corpus}/shortest-prompt", "", {}, corpus))[1])) for corpus in sorted(corpora))
+    return min(
+        len(chat.prompt(env.reset(Task(f"{corpus}/shortest-prompt", "", {}, corpus))[1])) for corpus in sorted(corpora)
+    )
 
 
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
@@ -378,12 +477,41 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     rollout_mesh = distributed.rollout_mesh(mesh)
     rows = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
     if collector_cfg.slots % rows:
-        raise ValueError(f"rollout_max_concurrency={collector_cfg.slots} (generation rows per process) must be a multiple of "
-                         f"the {rows} devices the rows are split over (data x fsdp of the rollout mesh {dict(rollout_mesh.shape)})")
+        raise ValueError(
+            f"rollout_max_concurrency={collector_cfg.slots} (generation rows per process) must be a multiple of "
+            f"the {rows} devices the rows are split over (data x fsdp of the rollout mesh {dict(rollout_mesh.shape)})"
+        )
     model_cfg, params = build_model(config, chat.vocab_size, mesh)
     o = config.optim
-    tx = make_optimizer(o.learning_rate, run.total_steps * update_cfg.update_epochs * update_cfg.mini_batches,
-                        o.schedule, o.warmup_steps, o.grad_clip, o.weight_decay)
-    return Components(collections=collections, train_tasks=tuple(train_tasks), val_tasks=tuple(val_tasks), env=env, chat=chat,
-                      mesh=mesh, rollout_mesh=rollout_mesh, model_cfg=model_cfg, params=params, tx=tx, updater=Updater(model_cfg, update_cfg, tx, mesh),
-                      collector=collector_cfg, schedule=schedule, run=run, warmup=warmup)
+    tx = make_optimizer(
+        o.learning_rate,
+        run.total_steps * update_cfg.update_epochs * update_cfg.mini_batches,
+        o.schedule,
+        o.warmup_steps,
+        o.grad_clip,
+        o.weight_decay,
+    )
+    return Components(
+        collections=collections,
+        train_tasks=tuple(train_tasks),
+        val_tasks=tuple(val_tasks),
+        env=env,
+        chat=chat,
+        mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        model_cfg=model_cfg,
+        params=params,
+        tx=tx,
+        updater=Updater(model_cfg, update_cfg, tx, mesh),
+        collector=collector_cfg,
+        schedule=schedule,
+        run=run,
+        warmup=warmup,
+        selector=GroupSelector(
+            run.max_staleness,
+            run.global_batch_size,
+            update_cfg.rows_per_micro_batch_divisor,
+            run.filter_groups,
+            run.truncation,
+        ),
+    )

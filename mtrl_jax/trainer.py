@@ -1,10 +1,9 @@
 """The RL loop: collect, select, update, publish, log, checkpoint, stop on SIGTERM.
 
-``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls. Components come
-from ``mtrl_jax.setup``, each step's episodes from ``rollout.steps``, the groups that train from
-``rollout.selection``, checkpoints from ``mtrl_jax.checkpoint``, metrics and trajectory files from
-``mtrl_jax.metrics``. When ``workdir`` holds a checkpoint the run resumes from it (parameters,
-optimizer state, RNG, data cursor, staleness counters); SIGTERM writes a checkpoint before exiting.
+``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls: components from
+``setup``, each step's episodes from ``rollout.steps``, the groups that train from ``rollout.selection``,
+checkpoints from ``checkpoint``, metrics and trajectory files from ``metrics``. A work directory that holds
+a checkpoint is resumed (parameters, optimizer state, RNG, data cursor, staleness counters).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import logging
 import os
 import pathlib
 import signal
-import sys
-import threading
 import time
 
 import jax
@@ -26,11 +23,10 @@ from mtrl_jax import distributed, rng
 from mtrl_jax import metrics as M
 from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
 from mtrl_jax.data.schedule import DataCursor
-from mtrl_jax.evaluate import eval_rows, run_episodes
+from mtrl_jax.evaluate import eval_rows, evaluate_policy
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.train_step import NonFiniteGuard
-from mtrl_jax.rollout.collector import Collector, fitted_slots, precompile_in_background
-from mtrl_jax.rollout.selection import GroupSelector
+from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slots
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.setup import Components, build
@@ -53,34 +49,36 @@ class Trainer:
         # never more rows (each a max_len KV cache) than this process's episodes of a step / of an evaluation
         eval_episodes, rows = eval_rows(c)
         step_episodes = -(-run.global_batch_size * run.group_size // jax.process_count())
-        self.collector = Collector(c.model_cfg, c.chat, c.env, fitted_slots(c.collector, step_episodes, rows), self.published,
-                                   c.rollout_mesh)
-        eval_cfg = dataclasses.replace(fitted_slots(c.collector, eval_episodes, rows), temperature=max(run.eval_temperature, 0.0))
-        self.eval_collector = Collector(c.model_cfg, c.chat, c.env, eval_cfg, self.published, c.rollout_mesh)
-        self.rollouts = StepRollouts(self.collector, c.schedule, c.train_tasks, run.seed, run.group_size,
-                                     run.filter_max_extra_groups)
-        self.selector = GroupSelector(run.max_staleness, run.global_batch_size, c.updater.config.rows_per_micro_batch_divisor,
-                                      run.filter_groups, run.truncation)
+        eval_cfg = dataclasses.replace(
+            fitted_slots(c.collector, eval_episodes, rows), temperature=max(run.eval_temperature, 0)
+        )
+        self.collector, self.eval_collector = (
+            Collector(c.model_cfg, c.chat, c.env, config, self.published, c.rollout_mesh)
+            for config in (fitted_slots(c.collector, step_episodes, rows), eval_cfg)
+        )
+        self.rollouts = StepRollouts(
+            self.collector, c.schedule, c.train_tasks, run.seed, run.group_size, run.filter_max_extra_groups
+        )
         self.stop_requested = False
         self.nonfinite = NonFiniteGuard(run.max_nonfinite_steps)
 
-    def publish(self, params, version: int) -> None:
-        """Hand ``params`` to the rollouts (a copy on this process's devices when there are several processes)."""
+    def publish(self, params, version: int) -> None:  # a copy on this process's devices with several processes
         self.published.publish(distributed.to_rollout_mesh(params, self.c.rollout_mesh), version)
 
+    def trajectory_file(self, name: str):
+        """Where a step's or an evaluation's trajectories go; None: not written (by this process)."""
+        logged = self.c.run.log_trajectories and distributed.is_primary()
+        return self.workdir / "trajectories" / f"{name}.jsonl" if logged else None
+
     def evaluate(self, label: str) -> dict:
-        start = time.perf_counter()
-        trajectories = run_episodes(self.eval_collector, self.c.val_tasks, rng.key(self.c.run.seed, "eval"))
-        if self.c.run.log_trajectories and distributed.is_primary():
-            M.write_trajectories(self.workdir / "trajectories" / f"eval_{label}.jsonl", trajectories)
-        return {**M.summarize(trajectories), "seconds": time.perf_counter() - start}
+        key, path = rng.key(self.c.run.seed, "eval"), self.trajectory_file(f"eval_{label}")
+        return evaluate_policy(self.eval_collector, self.c.val_tasks, key, path)
 
     def train_on(self, step: int, groups: list) -> dict:
         """One update on the groups of RL step ``step`` that ``GroupSelector`` keeps; returns the step's
         metrics. Every collected trajectory is written to the step's trajectory file, those the update
         used with their advantage."""
-        run = self.c.run
-        selection = self.selector.select(groups, step)
+        selection = self.c.selector.select(groups, step)
         self.record.dropped_groups += selection.counts["staleness/dropped_groups"]
         self.record.max_staleness_seen = max(self.record.max_staleness_seen, selection.counts.pop("staleness/max"))
         metrics = {**M.rollout_metrics([t for g in selection.fresh for t in g]), **selection.counts}
@@ -90,16 +88,17 @@ class Trainer:
             metrics.update(self._update(step, selection.kept, selection.no_gradient))
         metrics.update(M.type_metrics(selection.fresh))
         start = time.perf_counter()
-        if run.log_trajectories and distributed.is_primary():
-            M.write_trajectories(self.workdir / "trajectories" / f"step_{step + 1:06d}.jsonl", [t for g in groups for t in g], step + 1)
+        if (path := self.trajectory_file(f"step_{step + 1:06d}")) is not None:
+            M.write_trajectories(path, [t for g in groups for t in g], step + 1)
         metrics["time/logging_s"] = time.perf_counter() - start
         return metrics
 
     def _update(self, step: int, groups: list, no_gradient: list) -> dict:
         """The update on ``groups``; each trajectory's advantage is set from the update's."""
-        trajectories = [t for g in groups for t in g]
-        batch = make_batch(trajectories, self.c.run.group_size, pad_id=self.c.chat.pad_id, length=self.c.run.batch_length,
-                           no_gradient=no_gradient)
+        trajectories, run = [t for g in groups for t in g], self.c.run
+        batch = make_batch(
+            trajectories, run.group_size, pad_id=self.c.chat.pad_id, length=run.batch_length, no_gradient=no_gradient
+        )
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
         advantages = distributed.fetch(update_metrics.pop("advantages"))  # [B], batch-sharded on the mesh
@@ -110,11 +109,9 @@ class Trainer:
         metrics.update({f"train/{k}": float(v) for k, v in update_metrics.items()})
         metrics["batch/real_token_fraction"] = metrics["train/real_token_fraction"]  # of the tokens the update computed
         metrics["throughput/trained_tokens_per_s"] = float(batch.loss_mask.sum()) / metrics["time/update_s"]
-        self.nonfinite.observe(step + 1, int(update_metrics["skipped_steps"]), self.workdir / "checkpoints" / str(self.record.rl_step))
+        last_checkpoint = self.workdir / "checkpoints" / str(self.record.rl_step)
+        self.nonfinite.observe(step + 1, int(update_metrics["skipped_steps"]), last_checkpoint)
         return metrics
-
-    def _on_sigterm(self, signum, frame):
-        self.stop_requested = True
 
     def _begin(self) -> None:
         """Resume from the newest intact checkpoint, or warm up, evaluate the starting policy and save step 0."""
@@ -129,10 +126,16 @@ class Trainer:
             self.ref_params = self.checkpoints.restore_reference(self.state.params) if kl else None
         else:
             if self.c.warmup is not None:
-                progress = resume_or_warm_up(self.c, self.checkpoints, self.state.params, log=log.info,
-                                             should_stop=lambda: distributed.any_process(self.stop_requested))
+                stop = lambda: distributed.any_process(self.stop_requested)
+                progress = resume_or_warm_up(
+                    self.c, self.checkpoints, self.state.params, log=log.info, should_stop=stop
+                )
                 if progress.step < self.c.warmup.steps:
-                    log.warning("SIGTERM: warm-up progress written at step %d of %d, exiting", progress.step, self.c.warmup.steps)
+                    log.warning(
+                        "SIGTERM: warm-up progress written at step %d of %d, exiting",
+                        progress.step,
+                        self.c.warmup.steps,
+                    )
                     raise SystemExit(143)
                 self.state = self.c.updater.init_state(progress.params, self.state.rng)
                 self.publish(progress.params, 0)
@@ -144,28 +147,24 @@ class Trainer:
             self.checkpoints.save(self.state, self.record)
         self.rollouts.start = (self.record.rl_step, self.record.cursor)
 
-    def _start_compiles(self, stop: threading.Event):
+    def _start_compiles(self):
         """Compile the update and every sampler shape in background threads while the warm-up and the
         first evaluation run (single-process runs); returns the sampler's thread, or None."""
-        run = self.c.run
+        run, kl = self.c.run, bool(self.c.updater.config.objective.kl_coef)
         if jax.process_count() != 1 or run.total_steps == 0:
             return None
-        self.c.updater.warm(self.state, run.global_batch_size * run.group_size, run.batch_length, run.group_size,
-                            bool(self.c.updater.config.objective.kl_coef))
+        self.c.updater.warm(self.state, run.global_batch_size * run.group_size, run.batch_length, run.group_size, kl)
         if not self.collector.config.precompile:
             return None
-        return precompile_in_background((self.eval_collector, self.collector), self.state.params, stop)  # the evaluation's first
+        # the evaluation's shapes first: it runs first
+        return BackgroundCompile((self.eval_collector, self.collector), self.state.params)
 
     def _step(self, step: int, async_rollouts) -> dict:
         """RL step ``step``: its groups (from the rollout thread, or collected now), the update, the
         parameters published; returns its metrics."""
         t0 = time.perf_counter()
         compiles = M.CompileCounter.mark()
-        if async_rollouts is not None:
-            got_step, (groups, timings) = async_rollouts.get()
-            assert got_step == step, (got_step, step)
-        else:
-            groups, timings = self.rollouts.collect(step)
+        groups, timings = self.rollouts.collect(step) if async_rollouts is None else async_rollouts.get(step)
         groups, timings = StepRollouts.gather(groups, timings)
         wait_s = time.perf_counter() - t0
         metrics = self.train_on(step, groups)
@@ -175,7 +174,8 @@ class Trainer:
         if async_rollouts is not None:
             async_rollouts.publish(step + 1)
         metrics["time/collect_wait_s"] = wait_s
-        metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / max(timings["collect_s"], 1e-9)
+        collect_s = max(timings["collect_s"], 1e-9)
+        metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / collect_s
         if (peak := M.peak_device_memory_gib()) is not None:
             metrics["memory/peak_device_gib"] = peak
         run = self.c.run
@@ -187,16 +187,15 @@ class Trainer:
 
     def train(self) -> dict:
         run = self.c.run
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        metrics_log, async_rollouts, stop = None, None, threading.Event()
-        precompile = self._start_compiles(stop)
+        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
+        metrics_log, async_rollouts, precompile = None, None, self._start_compiles()
         try:
             self._begin()
             first, _ = self.rollouts.start
             metrics_log = M.MetricsLog(self.workdir, first + 1) if distributed.is_primary() else None
             if run.asynchronous and first < run.total_steps:
                 async_rollouts = AsyncRollouts(self.rollouts.collect, first, run.max_staleness, first)
-            progress = _progress(run.log_progress and distributed.is_primary(), first, run.total_steps)
+            progress = M.progress_bar(run.log_progress and distributed.is_primary(), first, run.total_steps)
             checkpoint_s = 0.0
             for step in range(first, run.total_steps):
                 metrics = self._step(step, async_rollouts)
@@ -205,7 +204,8 @@ class Trainer:
                     metrics_log.write(step + 1, metrics)
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ndcg=f"{metrics['reward/ndcg@10']:.3f}")
-                self.stop_requested = distributed.any_process(self.stop_requested)  # all processes stop at the same step
+                # all processes stop at the same step
+                self.stop_requested = distributed.any_process(self.stop_requested)
                 checkpoint_s = 0.0
                 # after the step's metrics line: a run killed in between redoes the step, and a resume cuts
                 # the log back to the checkpoint, so no step is logged twice or lost
@@ -221,15 +221,14 @@ class Trainer:
             if async_rollouts is not None:
                 async_rollouts.stop()
             if precompile is not None:  # a short run: the shapes not compiled yet are not needed
-                stop.set()
-                precompile.join()
+                precompile.stop()
             signal.signal(signal.SIGTERM, previous)
             if metrics_log is not None:
                 metrics_log.close()
         after = self.evaluate("after")
         print(M.headline("after RL", after), flush=True)
-        summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps,
-                   "staleness": self.record.to_json()["staleness"]}
+        staleness = self.record.to_json()["staleness"]
+        summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps, "staleness": staleness}
         if distributed.is_primary():
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -238,12 +237,6 @@ class Trainer:
         self.collector.close()
         self.eval_collector.close()
         self.checkpoints.close()
-
-
-def _progress(enabled: bool, start: int, total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="MTRL", unit="step", disable=not enabled, file=sys.stdout)
 
 
 def train_and_evaluate(config, workdir: os.PathLike) -> dict:

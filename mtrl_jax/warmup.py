@@ -99,10 +99,13 @@ def _has_digit(text: str) -> bool:
     return any(ch.isdigit() for ch in text)
 
 
-def augment_question(text: str, rng: np.random.Generator, vocabulary: Sequence[str] = (), word_rate: float = 0.5) -> str:
+def augment_question(
+    text: str, rng: np.random.Generator, vocabulary: Sequence[str] = (), word_rate: float = 0.5
+) -> str:
     """A variant of ``text`` to copy: every character of each word that contains a digit is rewritten
     with a random one of its class (upper-case letter, lower-case letter, digit); each other word is,
     with probability ``word_rate``, replaced by a random word of ``vocabulary`` (none if empty)."""
+
     def scramble(word: str) -> str:
         if not _has_digit(word):
             if len(vocabulary) and rng.random() < word_rate:
@@ -133,8 +136,12 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
     qrels: only the demonstration matters); none when there is nothing to rewrite."""
     if not len(vocabulary) and not _has_digit(task.query):
         return []
-    return [dataclasses.replace(task, task_id=f"{task.task_id}#aug{i}", query=augment_question(task.query, rng, vocabulary),
-                                qrels={}) for i in range(copies)]
+    return [
+        dataclasses.replace(
+            task, task_id=f"{task.task_id}#aug{i}", query=augment_question(task.query, rng, vocabulary), qrels={}
+        )
+        for i in range(copies)
+    ]
 
 
 _RESULT_LINE = re.compile(r"^\[\d+\] \S+ \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
@@ -184,15 +191,22 @@ class TeacherPolicy:
         return render_answer([])
 
 
-def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Optional[np.ndarray] = None,
-                  top_ks: Sequence[Optional[int]] = (None,), top_k_probs: Optional[np.ndarray] = None,
-                  hop: float = 0.0, hop_probs: Optional[np.ndarray] = None) -> TeacherPolicy:
+def teacher_turns(
+    rng: np.random.Generator,
+    tool_names: Sequence[str],
+    probs: Optional[np.ndarray] = None,
+    top_ks: Sequence[Optional[int]] = (None,),
+    top_k_probs: Optional[np.ndarray] = None,
+    hop: float = 0.0,
+    hop_probs: Optional[np.ndarray] = None,
+) -> TeacherPolicy:
     """A scripted policy: a search with the question verbatim; with probability ``hop`` a second
     search on an identifier (``result_identifiers``) drawn uniformly from the first search's results
     (none shown: no second search); then an empty answer. The first search's tool is drawn from
     ``probs``, the second's from ``hop_probs`` (both uniform by default), each search's number of
     results from ``top_ks`` with ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the
     question. Every draw is made here, in a fixed order."""
+
     def draw(p=probs):
         return tool_names[rng.choice(len(tool_names), p=p)], top_ks[rng.choice(len(top_ks), p=top_k_probs)]
 
@@ -208,8 +222,15 @@ def teacher_turns(rng: np.random.Generator, tool_names: Sequence[str], probs: Op
 def settings_teacher(settings, rng: np.random.Generator, hop: Optional[float] = None) -> TeacherPolicy:
     """``teacher_turns`` with the draws of ``settings`` (``setup.WarmupSettings``); ``hop`` overrides its
     probability of a second search (1.0: forced, as in hop drills and the hop probe)."""
-    return teacher_turns(rng, settings.tools, np.array(settings.tool_probs), settings.top_ks, np.array(settings.top_k_probs),
-                         settings.hop if hop is None else hop, np.array(settings.hop_tool_probs))
+    return teacher_turns(
+        rng,
+        settings.tools,
+        np.array(settings.tool_probs),
+        settings.top_ks,
+        np.array(settings.top_k_probs),
+        settings.hop if hop is None else hop,
+        np.array(settings.hop_tool_probs),
+    )
 
 
 def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
@@ -268,8 +289,11 @@ def common_prefix(demos: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[
 
 def _pack(demos, length_multiple: int = 8):
     T = bucket(max(len(t) for t, _ in demos), length_multiple)
-    return (pad_rows([t for t, _ in demos], T, np.int32), pad_rows([[1] * len(t) for t, _ in demos], T, np.int32),
-            pad_rows([m for _, m in demos], T, np.float32))
+    return (
+        pad_rows([t for t, _ in demos], T, np.int32),
+        pad_rows([[1] * len(t) for t, _ in demos], T, np.int32),
+        pad_rows([m for _, m in demos], T, np.float32),
+    )
 
 
 @dataclasses.dataclass
@@ -293,8 +317,12 @@ def step_view(i: int, full_every: int, two_turn_every: int) -> str:
 
 
 def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0))
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(
+            optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), max(steps, 2)), weight_decay=0.0
+        ),
+    )
 
 
 def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
@@ -320,12 +348,25 @@ def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared
     return step
 
 
-def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list[int], list[int]]], steps: int,
-                      batch_size: int, learning_rate: float, seed=0, log_every: int = 50, log=print,
-                      full_every: int = 8, full_bucket: int = 64, resume: Optional[WarmupProgress] = None,
-                      two_turn_every: int = 2,
-                      should_stop: Optional[Callable[[], bool]] = None, mesh=None, logprob_chunk: int = 512,
-                      share_prefix: bool = True) -> WarmupProgress:
+def supervised_warmup(
+    model_cfg: ModelConfig,
+    params,
+    demos: Sequence[tuple[list[int], list[int]]],
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed=0,
+    log_every: int = 50,
+    log=print,
+    full_every: int = 8,
+    full_bucket: int = 64,
+    resume: Optional[WarmupProgress] = None,
+    two_turn_every: int = 2,
+    should_stop: Optional[Callable[[], bool]] = None,
+    mesh=None,
+    logprob_chunk: int = 512,
+    share_prefix: bool = True,
+) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
     exactly where it stopped).
@@ -354,7 +395,7 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         return tuple(x[:, P:] for x in packed)
 
     def grouped(cut):  # demonstrations cut by cut(tokens, mask), grouped by length (multiples of full_bucket)
-        cuts = [(t[:cut(m)], m[:cut(m)]) for t, m in demos]
+        cuts = [(t[: cut(m)], m[: cut(m)]) for t, m in demos]
         group_of = [bucket(len(t), full_bucket) for t, _ in cuts]
         groups = {}
         for length in sorted(set(group_of)):
@@ -363,11 +404,12 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
         return group_of, groups
 
     full = grouped(len)
-    prefixes = after_prefix(_pack([(t[:turn_end(m, 1)], m[:turn_end(m, 1)]) for t, m in demos]))
+    prefixes = after_prefix(_pack([(t[: turn_end(m, 1)], m[: turn_end(m, 1)]) for t, m in demos]))
     # with demonstrations of more than two turns (the teacher's hops), one step in two_turn_every trains on
     # them cut after their second turn: the hop's call (copied from the first results) or the answer there
-    two_turns = (grouped(lambda m: turn_end(m, 2)) if two_turn_every and any(assistant_turns(m) > 2 for _, m in demos)
-                 else None)
+    two_turns = (
+        grouped(lambda m: turn_end(m, 2)) if two_turn_every and any(assistant_turns(m) > 2 for _, m in demos) else None
+    )
 
     step = warmup_step(model_cfg, tx, shared, logprob_chunk)
     rng = np.random.default_rng(seed)
@@ -388,7 +430,9 @@ def supervised_warmup(model_cfg: ModelConfig, params, demos: Sequence[tuple[list
             tokens, attention, loss_mask = prefixes
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
-            params, opt_state, loss = step(params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh))
+            params, opt_state, loss = step(
+                params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh)
+            )
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
@@ -415,28 +459,53 @@ def demonstrations(components) -> list[tuple[list[int], list[int]]]:
     return demos
 
 
-def warm_up(components, params, log=print, resume: Optional[WarmupProgress] = None,
-            should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+def warm_up(
+    components,
+    params,
+    log=print,
+    resume: Optional[WarmupProgress] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
+) -> WarmupProgress:
     """The embedded default's warm-up of ``params``: ``supervised_warmup`` on ``demonstrations``."""
     cfg = components.warmup
     demos = demonstrations(components)
-    log(f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
-        + (f", continuing at step {resume.step}" if resume is not None else ""))
-    return supervised_warmup(components.model_cfg, params, demos, cfg.steps, cfg.batch_size, cfg.learning_rate,
-                             seed=seeds.numpy_seed(components.run.seed, "warmup_batches"), log=log, resume=resume, should_stop=should_stop, mesh=components.mesh,
-                             logprob_chunk=components.updater.config.logprob_chunk, share_prefix=cfg.share_prefix,
-                             full_every=cfg.full_every, two_turn_every=cfg.two_turn_every)
+    log(
+        f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
+        + (f", continuing at step {resume.step}" if resume is not None else "")
+    )
+    return supervised_warmup(
+        components.model_cfg,
+        params,
+        demos,
+        cfg.steps,
+        cfg.batch_size,
+        cfg.learning_rate,
+        seed=seeds.numpy_seed(components.run.seed, "warmup_batches"),
+        log=log,
+        resume=resume,
+        should_stop=should_stop,
+        mesh=components.mesh,
+        logprob_chunk=components.updater.config.logprob_chunk,
+        share_prefix=cfg.share_prefix,
+        full_every=cfg.full_every,
+        two_turn_every=cfg.two_turn_every,
+    )
 
 
-def resume_or_warm_up(components, checkpoints, params, log=print, should_stop: Optional[Callable[[], bool]] = None) -> WarmupProgress:
+def resume_or_warm_up(
+    components, checkpoints, params, log=print, should_stop: Optional[Callable[[], bool]] = None
+) -> WarmupProgress:
     """The warm-up of ``params``, continued from the progress saved in the work directory
     (``checkpoints.restore_warmup``), its progress saved again at the end or when ``should_stop()``
     turned true (then ``step < steps``: the caller stops, and the next run continues it exactly)."""
     cfg = components.warmup
     like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, params)
     saved = checkpoints.restore_warmup(params, like_opt)
-    progress = None if saved is None else WarmupProgress(saved[0], saved[1], saved[2]["step"], saved[2]["rng_state"],
-                                                          saved[2]["losses"])
+    progress = (
+        None
+        if saved is None
+        else WarmupProgress(saved[0], saved[1], saved[2]["step"], saved[2]["rng_state"], saved[2]["losses"])
+    )
     if progress is None or progress.step < cfg.steps:
         progress = warm_up(components, params, log=log, resume=progress, should_stop=should_stop)
         checkpoints.save_warmup(progress.params, progress.opt_state, progress.step, progress.rng_state, progress.losses)

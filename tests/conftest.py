@@ -3,7 +3,9 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ["XLA_FLAGS"] += "" if "device_count" in os.environ["XLA_FLAGS"] else " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] += (
+    "" if "device_count" in os.environ["XLA_FLAGS"] else " --xla_force_host_platform_device_count=8"
+)
 from envs import FAST_COMPILE  # noqa: E402 - optimisation level 0: see envs.py
 
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:

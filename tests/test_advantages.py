@@ -19,7 +19,7 @@ def ref_grpo(rewards, G, scale="group", std_floor=0.0):
     out = np.zeros_like(r)
     batch_std = np.std(r, ddof=1) if len(r) > 1 else 0.0
     for p in range(len(r) // G):
-        g = r[p * G:(p + 1) * G]
+        g = r[p * G : (p + 1) * G]
         if G == 1:
             continue
         mean = sum(g) / G
@@ -66,12 +66,17 @@ def brute_passk(group, k):
 def test_vectors_from_algorithms_md():
     np.testing.assert_allclose(
         advantages.compute("grpo", jnp.array([1.0, 0, 0, 1]), 4),
-        [0.8660239, -0.8660239, -0.8660239, 0.8660239], atol=1e-6)
+        [0.8660239, -0.8660239, -0.8660239, 0.8660239],
+        atol=1e-6,
+    )
     np.testing.assert_allclose(
-        advantages.compute("rloo", jnp.array([0.2, 0.5, 0.9]), 3), [-0.5, -0.05, 0.55], atol=1e-6)
+        advantages.compute("rloo", jnp.array([0.2, 0.5, 0.9]), 3), [-0.5, -0.05, 0.55], atol=1e-6
+    )
     np.testing.assert_allclose(
         advantages.compute("grpo_passk", jnp.array([1.0, 0, 0, 0]), 4, k=2),
-        [0.999998, -0.3333327, -0.3333327, -0.3333327], atol=1e-6)
+        [0.999998, -0.3333327, -0.3333327, -0.3333327],
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -109,15 +114,26 @@ def test_rloo_random(G):
     np.testing.assert_allclose(advantages.compute("rloo", jnp.asarray(r, jnp.float32), G), ref_rloo(r, G), atol=1e-5)
 
 
-@pytest.mark.parametrize("name,opts", [("grpo", {}), ("grpo", {"scale": "batch"}), ("rloo", {}),
-                                       ("grpo_passk", {"k": 2})])
+@pytest.mark.parametrize(
+    "name,opts", [("grpo", {}), ("grpo", {"scale": "batch"}), ("rloo", {}), ("grpo_passk", {"k": 2})]
+)
 def test_all_equal_groups_give_zero(name, opts):
     r = jnp.array([0.3] * 4 + [-1.0] * 4)
     np.testing.assert_allclose(advantages.compute(name, r, 4, **opts), 0.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,opts", [("grpo", {"scale": "group"}), ("grpo", {"scale": "batch"}), ("grpo", {"scale": "none"}),
-                                       ("dr_grpo", {}), ("rloo", {}), ("grpo_passk", {"k": 1}), ("grpo_passk", {"k": 3})])
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("grpo", {"scale": "group"}),
+        ("grpo", {"scale": "batch"}),
+        ("grpo", {"scale": "none"}),
+        ("dr_grpo", {}),
+        ("rloo", {}),
+        ("grpo_passk", {"k": 1}),
+        ("grpo_passk", {"k": 3}),
+    ],
+)
 def test_all_equal_groups_give_exactly_zero_in_float32(name, opts):
     """ALGORITHMS.md: an all-equal group gives exactly 0 for any value and group size (float32's group
     mean of equal values is off by an ulp unless the estimator shifts first)."""
@@ -145,7 +161,9 @@ def test_scoped_options_apply_only_to_their_entry():
     assert parse_options(text, "f", advantages.ESTIMATORS, "grpo_passk") == {"k": 4}
     assert parse_options(text, "f", advantages.ESTIMATORS, "rloo") == {}  # rloo takes none: no error
     assert parse_options("k=3,grpo_passk:scale=x", "f", advantages.ESTIMATORS, "rloo") == {"k": 3}
-    with pytest.raises(ValueError, match=r"f: 'gpro:scale=batch' is scoped to 'gpro', which is not a registered advantage estimator"):
+    with pytest.raises(
+        ValueError, match=r"f: 'gpro:scale=batch' is scoped to 'gpro', which is not a registered advantage estimator"
+    ):
         parse_options("gpro:scale=batch", "f", advantages.ESTIMATORS, "grpo")
     with pytest.raises(ValueError, match=r"f: option 'k' given twice"):
         parse_options("k=2,grpo_passk:k=4", "f", advantages.ESTIMATORS, "grpo_passk")
@@ -166,6 +184,7 @@ def test_scoped_options_apply_only_to_their_entry():
 def test_every_estimator_receives_the_loss_mask():
     seen = []
     with advantages.ESTIMATORS.restoring():
+
         @advantages.register("mask_spy")
         def mask_spy(rewards, group_size, loss_mask):
             seen.append(loss_mask.shape)
@@ -197,14 +216,17 @@ def _passk_groups():
 def test_grpo_passk_matches_brute_force(G, group):
     for k in range(1, G):
         got = advantages.compute("grpo_passk", jnp.asarray(group, jnp.float32), G, k=k)
-        np.testing.assert_allclose(got, brute_passk(list(group), k), atol=3e-4, rtol=1e-4,
-                                   err_msg=f"G={G} k={k} group={group}")
+        np.testing.assert_allclose(
+            got, brute_passk(list(group), k), atol=3e-4, rtol=1e-4, err_msg=f"G={G} k={k} group={group}"
+        )
 
 
 def test_grpo_passk_k1_is_grpo_with_population_std():
     r = np.random.default_rng(3).uniform(size=6)
     expected = (r - r.mean()) / (r.std() + 1e-6)
-    np.testing.assert_allclose(advantages.compute("grpo_passk", jnp.asarray(r, jnp.float32), 6, k=1), expected, atol=1e-5)
+    np.testing.assert_allclose(
+        advantages.compute("grpo_passk", jnp.asarray(r, jnp.float32), 6, k=1), expected, atol=1e-5
+    )
 
 
 def test_grpo_passk_binary_matches_chen_et_al_closed_form():

@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from mtrl_jax.chat import (IM_END, IM_START, PROTOCOL_TOKENS, TemplateChat, compile_chat_template, parse_tool_calls,
-                           template_renders_tools, train_tokenizer)
+from mtrl_jax.chat import (
+    IM_END,
+    IM_START,
+    PROTOCOL_TOKENS,
+    TemplateChat,
+    compile_chat_template,
+    parse_tool_calls,
+    template_renders_tools,
+    train_tokenizer,
+)
 
 # a Qwen2.5-like template: tools in the system block, consecutive tool messages in one user block
 TOOLS_TEMPLATE = (
@@ -21,12 +29,23 @@ TOOLS_TEMPLATE = (
     "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 2].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # a SmolLM2-like template: no tools; a tool message is its own block
-PLAIN_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                  "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-SCHEMAS = [{"type": "function", "function": {"name": "bm25_search", "description": "Lexical search.",
-                                             "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SCHEMAS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bm25_search",
+            "description": "Lexical search.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +58,19 @@ def _episode(system_tools: bool):
     system = {"role": "system", "content": "Find documents."}
     if system_tools:
         system["tools"] = SCHEMAS
-    return [system, {"role": "user", "content": "pumps of Falcon-12?"},
-            {"role": "assistant", "content": '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "pumps"}}\n</tool_call>'},
-            {"role": "tool", "content": "[1] d1 pumps"},
-            {"role": "assistant", "content": "again"},
-            {"role": "tool", "content": "[1] d2 valves"}, {"role": "tool", "content": "[2] d3 part 7"},
-            {"role": "assistant", "content": '<answer>["d1"]</answer>'}]
+    return [
+        system,
+        {"role": "user", "content": "pumps of Falcon-12?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "pumps"}}\n</tool_call>',
+        },
+        {"role": "tool", "content": "[1] d1 pumps"},
+        {"role": "assistant", "content": "again"},
+        {"role": "tool", "content": "[1] d2 valves"},
+        {"role": "tool", "content": "[2] d3 part 7"},
+        {"role": "assistant", "content": '<answer>["d1"]</answer>'},
+    ]
 
 
 @pytest.mark.parametrize("template", [TOOLS_TEMPLATE, PLAIN_TEMPLATE])
@@ -60,10 +86,13 @@ def test_an_episode_rendered_turn_by_turn_equals_the_template_rendered_at_once(t
         while j < len(messages) and messages[j]["role"] == "tool":
             j += 1
         if j > i + 1:
-            tokens += chat.continuation(messages[i + 1:j])
+            tokens += chat.continuation(messages[i + 1 : j])
         i = j
-    whole = compile_chat_template(template).render(messages=[{k: v for k, v in m.items() if k != "tools"} for m in messages],
-                                                  tools=SCHEMAS if chat.renders_tools else None, add_generation_prompt=False)
+    whole = compile_chat_template(template).render(
+        messages=[{k: v for k, v in m.items() if k != "tools"} for m in messages],
+        tools=SCHEMAS if chat.renders_tools else None,
+        add_generation_prompt=False,
+    )
     assert whole.endswith(IM_END + "\n")
     assert tokens == chat.encode(whole[:-1])
     if chat.renders_tools:
@@ -92,13 +121,24 @@ def test_a_template_that_does_not_end_turns_with_im_end_is_refused(tokenizer):
         chat.continuation([{"role": "tool", "content": "x"}])
 
 
-@pytest.mark.parametrize("text, calls", [
-    ('```json\n{"name": "bm25_search", "arguments": {"query": "pumps"}}\n```', [("bm25_search", {"query": "pumps"})]),
-    ('<tool_call>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", "arguments": "{\\"q\\": 2}"}]</tool_call>',
-     [("a", {"q": 1}), ("b", {"q": 2})]),
-    ('Here is code:\n```python\nprint("name")\n```', []),
-    ('```json\n{"name": "a", "arguments": {}}\n```\n<answer>["d1"]</answer>', []),  # an answer turn: the block is not a call
-])
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        (
+            '```json\n{"name": "bm25_search", "arguments": {"query": "pumps"}}\n```',
+            [("bm25_search", {"query": "pumps"})],
+        ),
+        (
+            '<tool_call>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", "arguments": "{\\"q\\": 2}"}]</tool_call>',
+            [("a", {"q": 1}), ("b", {"q": 2})],
+        ),
+        ('Here is code:\n```python\nprint("name")\n```', []),
+        (
+            '```json\n{"name": "a", "arguments": {}}\n```\n<answer>["d1"]</answer>',
+            [],
+        ),  # an answer turn: the block is not a call
+    ],
+)
 def test_tool_calls_in_the_forms_models_emit(text, calls):
     assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == calls
 
@@ -115,6 +155,6 @@ def test_the_trained_tokenizer_gives_an_identifier_the_same_tokens_wherever_it_a
     for before in [" ", '"', "\n", "'", ": "]:
         got = pieces(f"see{before}KX-4821 now")
         start = next(i for i, p in enumerate(got) if "K" in p)
-        assert got[start:start + len(ident)] == ident, (before, got)
+        assert got[start : start + len(ident)] == ident, (before, got)
     assert pieces("NASA") == ["N", "A", "S", "A"]
     assert pieces("Part pump") == ["Part", " pump"]  # words keep their merges

@@ -27,8 +27,14 @@ def _traj(reward, status="ok", turns=2, calls=None, kind=""):
 
 def test_summarize_hand_computed():
     # two queries x 3 samples; failures count 0 in nDCG
-    trajs = [_traj(0.9, calls={"bm25_search": 1}), _traj(-1.0, "max_turns", 4, {"bm25_search": 4}), _traj(0.3, calls={"vector_search": 1}),
-             _traj(0.0), _traj(-1.0, "turn_token_limit", 1), _traj(0.6, turns=3, calls={"bm25_search": 1, "vector_search": 1})]
+    trajs = [
+        _traj(0.9, calls={"bm25_search": 1}),
+        _traj(-1.0, "max_turns", 4, {"bm25_search": 4}),
+        _traj(0.3, calls={"vector_search": 1}),
+        _traj(0.0),
+        _traj(-1.0, "turn_token_limit", 1),
+        _traj(0.6, turns=3, calls={"bm25_search": 1, "vector_search": 1}),
+    ]
     m = summarize(trajs, samples_per_task=3, k=2, tau=0.5)
     assert m["queries"] == 2 and m["samples"] == 6
     assert m["ndcg@10"] == pytest.approx((0.9 + 0 + 0.3 + 0 + 0 + 0.6) / 6)
@@ -43,13 +49,26 @@ def test_summarize_hand_computed():
 
 
 def test_summarize_breaks_the_metrics_down_by_task_type():
-    trajs = [_traj(0.9, kind="c/a"), _traj(0.3, kind="c/a"), _traj(-1.0, "max_turns", 4, kind="c/b"), _traj(0.6, turns=3, kind="c/b"),
-             _traj(0.2, kind="c/a"), _traj(0.4, kind="c/a")]
+    trajs = [
+        _traj(0.9, kind="c/a"),
+        _traj(0.3, kind="c/a"),
+        _traj(-1.0, "max_turns", 4, kind="c/b"),
+        _traj(0.6, turns=3, kind="c/b"),
+        _traj(0.2, kind="c/a"),
+        _traj(0.4, kind="c/a"),
+    ]
     m = summarize(trajs, samples_per_task=2, k=2)
     assert set(m["by_type"]) == {"c/a", "c/b"}
     a, b = m["by_type"]["c/a"], m["by_type"]["c/b"]
-    assert a["queries"] == 2 and a["ndcg@10"] == pytest.approx(0.45) and a["failure_rate"] == 0 and a["pass@2"] == pytest.approx(0.5)
-    assert b["queries"] == 1 and b["ndcg@10"] == pytest.approx(0.3) and b["failure_rate_by_reason"] == {"max_turns": 0.5}
+    assert (
+        a["queries"] == 2
+        and a["ndcg@10"] == pytest.approx(0.45)
+        and a["failure_rate"] == 0
+        and a["pass@2"] == pytest.approx(0.5)
+    )
+    assert (
+        b["queries"] == 1 and b["ndcg@10"] == pytest.approx(0.3) and b["failure_rate_by_reason"] == {"max_turns": 0.5}
+    )
     assert b["mean_turns"] == pytest.approx(3.5) and "by_type" not in a
 
 
@@ -65,22 +84,40 @@ def test_pass_and_max_at_k_match_enumeration():
 
 
 def test_comparison_table():
-    table = comparison_table({"syn": {"ndcg@10": 0.4, "failure_rate": 0.1}}, {"syn": {"ndcg@10": 0.5, "failure_rate": 0.0}})
+    table = comparison_table(
+        {"syn": {"ndcg@10": 0.4, "failure_rate": 0.1}}, {"syn": {"ndcg@10": 0.5, "failure_rate": 0.0}}
+    )
     assert "| syn | ndcg@10 | 0.4000 | 0.5000 | +0.1000 (+25.0%) |" in table
     assert "| syn | failure_rate | 0.1000 | 0.0000 | -0.1000 (-100.0%) |" in table
 
 
-TINY = ["--config.warmup.steps=0", "--config.data.max_eval_tasks=4", "--config.rollout.max_tokens_per_turn=8",
-        "--config.rollout.decode_chunk=8", "--config.model.tiny_layers=1", "--config.rollout_max_concurrency=8",
-        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
-        # the shapes a few steps meet, compiled as met (tests/test_trainer.py's greedy run precompiles them all)
-        "--config.rollout.precompile=False"]
+TINY = [
+    "--config.warmup.steps=0",
+    "--config.data.max_eval_tasks=4",
+    "--config.rollout.max_tokens_per_turn=8",
+    "--config.rollout.decode_chunk=8",
+    "--config.model.tiny_layers=1",
+    "--config.rollout_max_concurrency=8",
+    "--config.rl.micro_batches=1",
+    "--config.rl.length_bucket=512",
+    # the shapes a few steps meet, compiled as met (tests/test_trainer.py's greedy run precompiles them all)
+    "--config.rollout.precompile=False",
+]
 
 
 @pytest.mark.slow
 def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     def evaluate(out, *extra):
-        cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={out}", "--samples=2", *TINY, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.evaluate",
+            "--config=configs/default.py",
+            f"--out={out}",
+            "--samples=2",
+            *TINY,
+            *extra,
+        ]
         result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
@@ -91,10 +128,21 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
     assert a == b  # same seed, same numbers
     assert (tmp_path / "a/synthetic.run").read_text() == (tmp_path / "b/synthetic.run").read_text()
     m = a["synthetic"]
-    for key in ("queries", "ndcg@10", "failure_rate", "failure_rate_by_reason", "mean_turns", "tool_calls_per_episode", "pass@2", "max@2"):
+    for key in (
+        "queries",
+        "ndcg@10",
+        "failure_rate",
+        "failure_rate_by_reason",
+        "mean_turns",
+        "tool_calls_per_episode",
+        "pass@2",
+        "max@2",
+    ):
         assert key in m
     assert m["queries"] == 4 and "| synthetic |" in (tmp_path / "a/eval.md").read_text()
-    assert sum(v["queries"] for v in m["by_type"].values()) == 4 and all(k.startswith("synthetic/") for k in m["by_type"])
+    assert sum(v["queries"] for v in m["by_type"].values()) == 4 and all(
+        k.startswith("synthetic/") for k in m["by_type"]
+    )
     if len(m["by_type"]) > 1:
         assert "| synthetic · synthetic/" in (tmp_path / "a/eval.md").read_text()
     compare = (tmp_path / "b/compare.md").read_text()
@@ -106,8 +154,15 @@ def test_evaluation_job_is_deterministic_and_compares(tmp_path):
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/default.py", f"--out={tmp_path / 'out'}",
-           f"--checkpoint={tmp_path / 'typo'}", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.evaluate",
+        "--config=configs/default.py",
+        f"--out={tmp_path / 'out'}",
+        f"--checkpoint={tmp_path / 'typo'}",
+        *TINY,
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and f"{tmp_path / 'typo'}: not a training work directory" in result.stderr
     assert not (tmp_path / "typo").exists()
@@ -115,9 +170,25 @@ def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_ablation_runner_resumes_and_reports(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.ablate", "--config=configs/default.py", "--grid", "rl.loss=ppo,cispo",
-           "--seeds", "1", "--out", str(tmp_path), "--eval-every", "1", "--config.max_steps=2", "--config.global_batch_size=2",
-           "--config.rollout.group_size=2", "--config.rollout.asynchronous=False", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.ablate",
+        "--config=configs/default.py",
+        "--grid",
+        "rl.loss=ppo,cispo",
+        "--seeds",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--eval-every",
+        "1",
+        "--config.max_steps=2",
+        "--config.global_batch_size=2",
+        "--config.rollout.group_size=2",
+        "--config.rollout.asynchronous=False",
+        *TINY,
+    ]
     first = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     table = (tmp_path / "results.md").read_text()

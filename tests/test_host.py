@@ -15,8 +15,11 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 def _env(**values):
     """This process's environment for a child, without the allocator settings (``values`` set them)."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("MTRL_JAX_MALLOC", "GLIBC_TUNABLES", "MTRL_JAX_REEXECUTED")}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("MTRL_JAX_MALLOC", "GLIBC_TUNABLES", "MTRL_JAX_REEXECUTED")
+    }
     return dict(env, PYTHONPATH=ROOT, **values)
 
 
@@ -27,7 +30,8 @@ _MMAPPED = """
 import ctypes, sys
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -54,8 +58,13 @@ def test_importing_the_package_changes_no_allocator_setting():
 
 
 def test_an_unknown_policy_is_an_error_naming_the_variable():
-    bad = subprocess.run([sys.executable, "-c", "import mtrl_jax.host as h; h.prepare_process()"], env=_env(MTRL_JAX_MALLOC="fast"),
-                         capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-c", "import mtrl_jax.host as h; h.prepare_process()"],
+        env=_env(MTRL_JAX_MALLOC="fast"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert bad.returncode != 0
     assert "MTRL_JAX_MALLOC='fast'" in bad.stderr and "'tuned'" in bad.stderr
 
@@ -70,8 +79,13 @@ print("applied", sorted(h.applied))
 
 
 def _restart(**env_extra):
-    done = subprocess.run([sys.executable, "-c", _RESTART, "an-argument"], env=_env(**env_extra), capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _RESTART, "an-argument"],
+        env=_env(**env_extra),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -79,13 +93,20 @@ def _restart(**env_extra):
 @pytest.mark.skipif(not huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
 def test_an_entry_point_restarts_once_with_the_huge_page_tunable_and_sets_the_thresholds():
     # restarted once, same arguments, the tunable added (after any the user had), and recorded
-    assert _restart() == ["run  ['an-argument']", "run glibc.malloc.hugetlb=1 ['an-argument']",
-                          "applied ['hugetlb', 'mmap_threshold', 'trim_threshold']"]
-    assert _restart(GLIBC_TUNABLES="glibc.malloc.tcache_count=8")[1] == \
-        "run glibc.malloc.tcache_count=8:glibc.malloc.hugetlb=1 ['an-argument']"
+    assert _restart() == [
+        "run  ['an-argument']",
+        "run glibc.malloc.hugetlb=1 ['an-argument']",
+        "applied ['hugetlb', 'mmap_threshold', 'trim_threshold']",
+    ]
+    assert (
+        _restart(GLIBC_TUNABLES="glibc.malloc.tcache_count=8")[1]
+        == "run glibc.malloc.tcache_count=8:glibc.malloc.hugetlb=1 ['an-argument']"
+    )
     # no restart: the user's own setting of the tunable, or glibc's policy asked for
     assert _restart(GLIBC_TUNABLES="glibc.malloc.hugetlb=0") == [
-        "run glibc.malloc.hugetlb=0 ['an-argument']", "applied ['mmap_threshold', 'trim_threshold']"]
+        "run glibc.malloc.hugetlb=0 ['an-argument']",
+        "applied ['mmap_threshold', 'trim_threshold']",
+    ]
     assert _restart(MTRL_JAX_MALLOC="default") == ["run  ['an-argument']", "applied []"]
 
 

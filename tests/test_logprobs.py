@@ -27,7 +27,9 @@ def numpy_reference(hidden, head, targets, temperature):
     return logp, entropy
 
 
-@pytest.mark.parametrize("B,T,chunk", [(3, 7, 4), (3, 7, 5), (2, 5, 1000), (4, 8, 8), (1, 1, 3), (2, 10, 14), (4, 9, 28)])
+@pytest.mark.parametrize(
+    "B,T,chunk", [(3, 7, 4), (3, 7, 5), (2, 5, 1000), (4, 8, 8), (1, 1, 3), (2, 10, 14), (4, 9, 28)]
+)
 def test_chunked_equals_dense_values_and_grads(B, T, chunk):
     hidden, head, targets, mask = _inputs(B, T, seed=B * T + chunk)
     mask = mask.at[0].set(0.0)  # a fully padded row
@@ -38,8 +40,9 @@ def test_chunked_equals_dense_values_and_grads(B, T, chunk):
         return ((logp + 0.1 * entropy) * mask).sum(), (logp, entropy)
 
     dense = jax.value_and_grad(lambda h, w: objective(token_logprobs_dense, h, w), argnums=(0, 1), has_aux=True)
-    chunked = jax.value_and_grad(lambda h, w: objective(lambda *a: token_logprobs(*a, chunk_size=chunk), h, w),
-                                 argnums=(0, 1), has_aux=True)
+    chunked = jax.value_and_grad(
+        lambda h, w: objective(lambda *a: token_logprobs(*a, chunk_size=chunk), h, w), argnums=(0, 1), has_aux=True
+    )
     (v_d, (lp_d, ent_d)), g_d = jax.jit(dense)(hidden, head)
     (v_c, (lp_c, ent_c)), g_c = jax.jit(chunked)(hidden, head)
     np.testing.assert_allclose(lp_c, lp_d, atol=1e-5)
@@ -78,8 +81,18 @@ def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whol
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
 
-    cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, qk_norm=True, tie_word_embeddings=True, attention_chunk=8)
+    cfg = ModelConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        attention_chunk=8,
+    )
     params = init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     P, S, B = 9, 13, 4

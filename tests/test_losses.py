@@ -112,8 +112,14 @@ def test_ppo_vector_from_algorithms_md():
 # ------------------------------------------------------------------ random comparisons
 
 
-CASES = [("ppo", {}), ("ppo", {"clip_low": 0.1, "clip_high": 0.1, "clip_dual": 2.0}), ("cispo", {}),
-         ("cispo", {"clip_low": 0.2, "clip_high": 0.2}), ("is", {}), ("is", {"is_cap": 1.5})]
+CASES = [
+    ("ppo", {}),
+    ("ppo", {"clip_low": 0.1, "clip_high": 0.1, "clip_dual": 2.0}),
+    ("cispo", {}),
+    ("cispo", {"clip_low": 0.2, "clip_high": 0.2}),
+    ("is", {}),
+    ("is", {"is_cap": 1.5}),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -175,7 +181,9 @@ def test_truncated_is_weight_multiplies_pg_term():
     behav = old_logp + np.random.default_rng(0).normal(scale=1.0, size=old_logp.shape)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     plain, _ = losses.compute("ppo", f32(logp), f32(old_logp), f32(A), f32(mask))
-    corrected, m = losses.compute("ppo", f32(logp), f32(old_logp), f32(A), f32(mask), behav_logp=f32(behav), tis_cap=2.0)
+    corrected, m = losses.compute(
+        "ppo", f32(logp), f32(old_logp), f32(A), f32(mask), behav_logp=f32(behav), tis_cap=2.0
+    )
     tis = np.minimum(np.exp(old_logp - behav), 2.0)
     np.testing.assert_allclose(corrected, np.asarray(plain) * tis, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(m["tis_max"], (tis * mask).max(), rtol=1e-5)
@@ -204,7 +212,9 @@ def test_objective_combines_kl_and_entropy():
     ref_logp = logp + rng.normal(scale=0.1, size=logp.shape)
     entropy = rng.uniform(0, 3, size=logp.shape)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    cfg = ObjectiveConfig(loss="cispo", aggregation="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01)
+    cfg = ObjectiveConfig(
+        loss="cispo", aggregation="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01
+    )
     total, m = objective(cfg, f32(logp), f32(old_logp), f32(A), f32(mask), entropy=f32(entropy), ref_logp=f32(ref_logp))
     w = ref_aggregate_weights(mask, "seq-mean-token-mean")
     pg = sum(w[b, t] * ref_cispo(logp[b, t], old_logp[b, t], A[b])[0] for b in range(4) for t in range(7))
@@ -279,7 +289,10 @@ def test_micro_batch_accumulation_equals_full_batch(name, mode):
         return losses.aggregate(per, m, mode, norm_len=6, **kw)
 
     full = jax.grad(loss)(logp, old_logp, A, mask)
-    micro = [jax.grad(loss)(logp[i:i + 2], old_logp[i:i + 2], A[i:i + 2], mask[i:i + 2], **norms) for i in range(0, 8, 2)]
+    micro = [
+        jax.grad(loss)(logp[i : i + 2], old_logp[i : i + 2], A[i : i + 2], mask[i : i + 2], **norms)
+        for i in range(0, 8, 2)
+    ]
     np.testing.assert_allclose(jnp.concatenate(micro), full, rtol=1e-6, atol=1e-8)
 
 

@@ -10,8 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrl_jax.model import (ModelConfig, abstract_params, compute_logits, forward, hf_io, init_params,
-                            load_hf_checkpoint, save_hf_checkpoint)
+from mtrl_jax.model import (
+    ModelConfig,
+    abstract_params,
+    compute_logits,
+    forward,
+    hf_io,
+    init_params,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from mtrl_jax.model import sharding
 from mtrl_jax.model.transformer import causal_attention, init_cache, unstack_layers
 
@@ -38,7 +46,10 @@ def test_fixture_variants_are_what_they_claim():
     cfgs = {n: load_hf_checkpoint(FIXTURES / n)[0].config for n in DECODERS}
     assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].qk_norm
     assert cfgs["qwen3_tied"].qk_norm and cfgs["qwen3_tied"].tie_word_embeddings
-    assert not cfgs["qwen3_untied"].tie_word_embeddings and (FIXTURES / "qwen3_untied/model.safetensors.index.json").exists()
+    assert (
+        not cfgs["qwen3_untied"].tie_word_embeddings
+        and (FIXTURES / "qwen3_untied/model.safetensors.index.json").exists()
+    )
     assert cfgs["llama"].rope_llama3_scaling is not None
     assert "rope_theta" in json.loads((FIXTURES / "qwen2/config.json").read_text())
     assert "rope_parameters" in json.loads((FIXTURES / "qwen3_tied/config.json").read_text())
@@ -50,10 +61,21 @@ def test_fixture_variants_are_what_they_claim():
 
 
 def test_rope_theta_both_places():
-    base = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    base = dict(
+        model_type="qwen3",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+    )
     assert ModelConfig.from_hf({**base, "rope_theta": 123.0}).rope_theta == 123.0
-    assert ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 77.0}}).rope_theta == 77.0
+    assert (
+        ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 77.0}}).rope_theta
+        == 77.0
+    )
     with pytest.raises(ValueError, match="rope theta"):
         ModelConfig.from_hf(base)
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
@@ -86,7 +108,9 @@ def test_missing_tensor_is_named(tmp_path):
 
 def test_unmapped_tensor_is_named(tmp_path):
     path = _copy(tmp_path, "qwen3_tied")
-    _rewrite(path / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
+    _rewrite(
+        path / "model.safetensors", lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32))
+    )
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.extra.weight' .* not mapped"):
         load_hf_checkpoint(path)
 
@@ -192,14 +216,20 @@ def test_sharded_forward_and_grad_match_single_device():
     _, sharded = load_hf_checkpoint(FIXTURES / "qwen3_untied", mesh=mesh)
     q_proj = sharded["layers"]["attn"]["q_proj"]
     assert q_proj.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    assert q_proj.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size // 2, cfg.num_heads // 2, cfg.head_dim)
+    assert q_proj.addressable_shards[0].data.shape == (
+        cfg.num_layers,
+        cfg.hidden_size // 2,
+        cfg.num_heads // 2,
+        cfg.head_dim,
+    )
     assert sharded["embed"].addressable_shards[0].data.size == sharded["embed"].size // 4
     assert not sharded["lm_head"].sharding.is_fully_replicated
 
     batch = sharding.batch_sharding(mesh)
     with mesh, sharding.axis_rules():
         (sh_loss, sh_logits), sh_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-            sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch))
+            sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch)
+        )
     np.testing.assert_allclose(sh_logits, ref_logits, atol=1e-5)
     np.testing.assert_allclose(sh_loss, ref_loss, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), sh_grad, ref_grad)
@@ -207,7 +237,9 @@ def test_sharded_forward_and_grad_match_single_device():
 
 @pytest.mark.slow
 def test_init_params_on_mesh_is_partitioned():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     params = init_params(cfg, jax.random.PRNGKey(0), mesh=sharding.make_mesh((2, 2, 2)))
     gate = params["layers"]["mlp"]["gate_proj"]
     assert gate.addressable_shards[0].data.shape == (2, 16, 32)
@@ -217,8 +249,17 @@ def test_init_params_on_mesh_is_partitioned():
 
 
 def _tiny(layers, **kw):
-    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
-                       num_kv_heads=2, head_dim=8, qk_norm=True, **kw)
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qk_norm=True,
+        **kw,
+    )
 
 
 def test_program_size_does_not_grow_with_depth():
@@ -238,14 +279,20 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     cfg = _tiny(3)
     params = init_params(cfg, jax.random.PRNGKey(0))
     flat = unstack_layers(params)
-    assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == ["layers_0", "layers_1", "layers_2"]
+    assert "layers" not in flat and sorted(k for k in flat if k.startswith("layers_")) == [
+        "layers_0",
+        "layers_1",
+        "layers_2",
+    ]
     np.testing.assert_array_equal(flat["layers_2"]["mlp"]["up_proj"], params["layers"]["mlp"]["up_proj"][2])
     np.testing.assert_array_equal(flat["layers_1"]["mlp"]["down_proj_t"], params["layers"]["mlp"]["down_proj"][1].T)
     assert "down_proj" not in flat["layers_0"]["mlp"]
     assert unstack_layers(flat) is flat
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 64)
     mask = jnp.array([[1] * 8, [1] * 5 + [0] * 3], bool)
-    np.testing.assert_allclose(forward(cfg, flat, tokens, mask)[0], forward(cfg, params, tokens, mask)[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        forward(cfg, flat, tokens, mask)[0], forward(cfg, params, tokens, mask)[0], rtol=1e-6, atol=1e-6
+    )
     offsets = jnp.array([0, 3], jnp.int32)  # a cached call: rows at their own offsets, a window below capacity
     stacked = forward(cfg, params, tokens, mask, init_cache(cfg, 2, 32), offsets, 16)
     unstacked = forward(cfg, flat, tokens, mask, init_cache(cfg, 2, 32), offsets, 16)
@@ -257,7 +304,9 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
     assert len(work.k) == 3 and work.k[0].shape == (2, cfg.num_kv_heads, 16, cfg.head_dim) and work.max_len == 16
     hidden, work = forward(cfg, flat, tokens, mask, work, offsets, 16)
     np.testing.assert_allclose(hidden, stacked[0], rtol=1e-6, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), cache.write_back(work), stacked[1])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), cache.write_back(work), stacked[1]
+    )
     with pytest.raises(ValueError, match="per-layer cache of 16 slots"):  # a per-layer cache is read whole
         forward(cfg, flat, tokens[:, :2], mask[:, :2], cache.per_layer(16), jnp.zeros(2, jnp.int32), 8)
 
@@ -295,12 +344,16 @@ def test_a_prefix_computed_once_continues_every_row(impl):
 
         real = np.asarray(mask[:, P:])[..., None]
         for p in (params, unstack_layers(params)):
-            np.testing.assert_allclose(np.asarray(continued(p)) * real, np.asarray(whole(p)) * real, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(continued(p)) * real, np.asarray(whole(p)) * real, rtol=1e-5, atol=1e-5
+            )
         weights = jax.random.normal(jax.random.PRNGKey(2), (3, T, cfg.hidden_size)) * real
         got, want = (jax.jit(jax.grad(lambda p, f=f: (f(p) * weights).sum()))(params) for f in (continued, whole))
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
     with pytest.raises(ValueError, match="prefix is for the cache-free"):
-        forward(cfg, params, tokens, mask, init_cache(cfg, 3, 32), jnp.zeros((3,), jnp.int32), prefix=init_cache(cfg, 1, P))
+        forward(
+            cfg, params, tokens, mask, init_cache(cfg, 3, 32), jnp.zeros((3,), jnp.int32), prefix=init_cache(cfg, 1, P)
+        )
 
 
 def test_chunked_attention_masks_padded_keys_anywhere():
@@ -308,20 +361,26 @@ def test_chunked_attention_masks_padded_keys_anywhere():
     dense masked softmax gives, and the same gradients, for left padding and holes as well as right
     padding, in chunks that divide the rows or not; a query that sees no key gets a finite output."""
     B, T, N, K, H = 4, 11, 4, 2, 8
-    q, k, v, ct = (jax.random.normal(jax.random.PRNGKey(i), s) for i, s in enumerate([(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]))
-    valid = jnp.asarray(np.array([[1] * T, [1] * 7 + [0] * 4, [0] * 3 + [1] * 8, [1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]], bool))
+    q, k, v, ct = (
+        jax.random.normal(jax.random.PRNGKey(i), s)
+        for i, s in enumerate([(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)])
+    )
+    valid = jnp.asarray(
+        np.array([[1] * T, [1] * 7 + [0] * 4, [0] * 3 + [1] * 8, [1, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1]], bool)
+    )
     visible = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]  # [B, T(query), T(key)]
     sees = np.asarray(visible.any(-1))[:, :, None, None]  # left padding: the first queries see nothing
 
     def dense(q, k, v):
         kk, vv = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
-        scores = jnp.einsum("btnh,bsnh->bnts", q, kk) * H ** -0.5
+        scores = jnp.einsum("btnh,bsnh->bnts", q, kk) * H**-0.5
         weights = jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), axis=-1)
         return jnp.einsum("bnts,bsnh->btnh", jnp.nan_to_num(weights), vv)
 
     want = dense(q, k, v)
     want_grads = jax.grad(lambda *a: (dense(*a) * ct * sees).sum(), argnums=(0, 1, 2))(q, k, v)
     for chunk in (3, 4, 11, 64):  # one jitted program per chunk size (op by op, the gradients took most of this test)
+
         @jax.jit
         def attention_and_grads(q, k, v, chunk=chunk):  # the gradient of (out * ct * sees).sum(): one forward pass
             got, pull = jax.vjp(lambda *a: causal_attention(*a, valid, chunk), q, k, v)
@@ -342,4 +401,6 @@ def test_remat_gives_the_same_gradient():
     def grad(cfg):
         return jax.grad(lambda p: forward(cfg, p, tokens)[0].astype(jnp.float32).sum())(params)
 
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grad(_tiny(3)), grad(_tiny(3, remat=True)))  # recompute reorders float sums
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grad(_tiny(3)), grad(_tiny(3, remat=True))
+    )  # recompute reorders float sums

@@ -15,14 +15,30 @@ import pytest
 from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--config=configs/default.py", "--config.global_batch_size=4", "--config.rollout.group_size=2",
-        "--config.rollout_max_concurrency=8", "--config.warmup.steps=2", "--config.warmup.share_prefix=False",
-        "--config.warmup.augment=0", "--config.data.max_eval_tasks=3", "--config.checkpoint.every_steps=1",
-        "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0", "--config.log.progress=False",
-        "--config.model.tiny_layers=1", "--config.rl.mini_batches=1", "--config.rollout.max_tokens_per_turn=24",
-        "--config.rollout.decode_chunk=24", "--config.max_steps=2", "--config.model.mesh_shape=(-1,1,1)",
-        "--config.rl.micro_batches=1", "--config.rl.length_bucket=512", "--config.optim.warmup_steps=0",
-        "--config.rollout.precompile=False"]
+TINY = [
+    "--config=configs/default.py",
+    "--config.global_batch_size=4",
+    "--config.rollout.group_size=2",
+    "--config.rollout_max_concurrency=8",
+    "--config.warmup.steps=2",
+    "--config.warmup.share_prefix=False",
+    "--config.warmup.augment=0",
+    "--config.data.max_eval_tasks=3",
+    "--config.checkpoint.every_steps=1",
+    "--config.rollout.asynchronous=False",
+    "--config.rollout.tool_workers=0",
+    "--config.log.progress=False",
+    "--config.model.tiny_layers=1",
+    "--config.rl.mini_batches=1",
+    "--config.rollout.max_tokens_per_turn=24",
+    "--config.rollout.decode_chunk=24",
+    "--config.max_steps=2",
+    "--config.model.mesh_shape=(-1,1,1)",
+    "--config.rl.micro_batches=1",
+    "--config.rl.length_bucket=512",
+    "--config.optim.warmup_steps=0",
+    "--config.rollout.precompile=False",
+]
 # One mini-batch: the first RL step's advantages are all 0, and only a first mini-batch is computed exactly
 # (train_step.update_step); a later one's ~1-ulp KL noise, which differs between device layouts, Adam turns
 # into a full-size step, so two mini-batches made the 2x4 and 1x8 runs differ by 6e-4 after the synthetic
@@ -46,24 +62,55 @@ def _final_state(workdir: pathlib.Path, step: int, like=None):
     """The checkpoint's state and record, onto this process's first device (``like``: the target
     shapes; needed for a checkpoint written by processes whose devices this one does not have)."""
     manager = ocp.CheckpointManager(workdir.absolute() / "checkpoints")
-    target = None if like is None else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), like)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                             record=ocp.args.JsonRestore()))
+    target = (
+        None
+        if like is None
+        else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            ),
+            like,
+        )
+    )
+    restored = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore())
+    )
     return restored["state"], restored["record"]
 
 
 @pytest.mark.slow
 def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
-    single = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'one'}"], cwd=REPO,
-                            env=_env(8), capture_output=True, text=True, timeout=900)
+    single = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'one'}"],
+        cwd=REPO,
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
 
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'two'}",
-                               f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
-                              cwd=REPO, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments.run",
+                *TINY,
+                f"--workdir={tmp_path / 'two'}",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
+            cwd=REPO,
+            env=_env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {i}:\n" + out[-4000:]
@@ -75,15 +122,27 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
     assert record_one["cursor"] == record_two["cursor"]
     assert int(one["step"]) == int(two["step"]) == 2  # 2 RL steps x 1 mini-batch
     before = _final_state(tmp_path / "one", 1)[0]  # checkpoints keep the last 2 steps
-    moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), before["params"], one["params"])))
+    moved = max(
+        jax.tree.leaves(
+            jax.tree.map(
+                lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()),
+                before["params"],
+                one["params"],
+            )
+        )
+    )
     assert moved > 1e-4  # the RL step changed the parameters, so the equality below says something
-    differ = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), one, two))
+    differ = jax.tree.leaves(
+        jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), one, two)
+    )
     assert max(differ) < 1e-5, max(differ)
 
     # every process generated its share, the primary wrote each step's groups once, in request order
     for workdir in ("one", "two"):
         lines = (tmp_path / workdir / "trajectories" / "step_000002.jsonl").read_text().splitlines()
-        assert [(r["group_id"], r["sample_index"]) for r in map(json.loads, lines)] == [(g, s) for g in range(4) for s in range(2)]
+        assert [(r["group_id"], r["sample_index"]) for r in map(json.loads, lines)] == [
+            (g, s) for g in range(4) for s in range(2)
+        ]
     metrics = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     summary_one = json.loads((tmp_path / "one" / "summary.json").read_text())
@@ -94,7 +153,13 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_incomplete_multiprocess_flags_name_what_is_missing():
-    result = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, "--workdir=/nonexistent/never",
-                             "--num_processes=2"], cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *TINY, "--workdir=/nonexistent/never", "--num_processes=2"],
+        cwd=REPO,
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "missing: coordinator_address, process_id" in result.stderr

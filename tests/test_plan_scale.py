@@ -10,16 +10,34 @@ import pytest
 from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHAPE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
-         "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False, "max_position_embeddings": 4096}
+SHAPE = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
 
 
 def _plan(model, *extra):
     """Start ``tools/plan_scale.py`` on the shape file ``model``; ``_result`` waits for it and reads its JSON line."""
     env = subprocess_env()  # plan_scale.py sets its own --devices
-    return subprocess.Popen([sys.executable, "-m", "tools.plan_scale", "--model", str(model), "--json", *extra], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.plan_scale", "--model", str(model), "--json", *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(proc):
@@ -33,8 +51,10 @@ def test_plan_reports_per_device_memory_and_flops(tmp_path):
     model = tmp_path / "shape.json"
     model.write_text(json.dumps(SHAPE))
     # the two plans compile their programs side by side (each compile is one thread)
-    plans = [_plan(model, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
-             _plan(model, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update")]
+    plans = [
+        _plan(model, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
+        _plan(model, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update"),
+    ]
     one, eight = [_result(p) for p in plans]
     n = one["params"]
     assert n == 512 * 256 * 2 + 4 * (256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 3 * 256 * 768 + 2 * 256 + 2 * 64) + 256
@@ -50,6 +70,25 @@ def test_plan_reports_per_device_memory_and_flops(tmp_path):
 
 
 def test_plan_rejects_a_mesh_that_does_not_match_the_devices(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.plan_scale", "--model", "qwen3-0.6b", "--devices", "8", "--mesh", "2,2,1",
-                             "--batch", "8", "--seq", "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.plan_scale",
+            "--model",
+            "qwen3-0.6b",
+            "--devices",
+            "8",
+            "--mesh",
+            "2,2,1",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "--mesh 2,2,1 has 4 devices, --devices is 8" in result.stderr

@@ -10,7 +10,7 @@ def _section_code(title: str) -> str:
     text = README.read_text()
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.DOTALL)
+    blocks = re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else None], re.DOTALL)
     assert blocks, f"no python block in README section {title!r}"
     return "\n".join(blocks)
 
@@ -50,3 +50,11 @@ def test_every_benchmark_has_its_row_in_the_results():
     assert "| kept" in decisions and "| reverted" in decisions
     for link in re.findall(r"\]\((docs/[^)]+)\)", README.read_text()):
         assert (README.parent / link).exists(), link
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)\n```", quick_start, re.DOTALL)
+    test_command = next(c for c in commands if "pytest" in c)
+    ci = (README.parent / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == test_command

@@ -45,7 +45,11 @@ def _transformers():
 def test_logits_match_transformers(real):
     name, directory, fixture, _, model, params = real
     torch, transformers = _transformers()
-    hf = None if torch is None else transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf = (
+        None
+        if torch is None
+        else transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    )
     for i in range(len(R.PROMPTS)):
         ids = fixture[f"prompt{i}_ids"]
         ours = np.asarray(compute_logits(model, params, ids[None]))[0]
@@ -67,8 +71,16 @@ def test_greedy_decoding_matches_transformers_generate(real):
     smp = Sampler(model.config, slots=len(prompts), max_len=max(map(len, prompts)) + new, max_new_tokens=new)
     state, _ = smp.extend(params, smp.init(), [list(p) for p in prompts])
     B = len(prompts)
-    out = smp.decode(params, state, jax.random.split(jax.random.PRNGKey(0), B), np.zeros(B, np.float32), np.ones(B, np.float32),
-                     np.full((B, 1), -1, np.int32), np.ones(B, bool), np.full(B, new, np.int32))[1]
+    out = smp.decode(
+        params,
+        state,
+        jax.random.split(jax.random.PRNGKey(0), B),
+        np.zeros(B, np.float32),
+        np.ones(B, np.float32),
+        np.full((B, 1), -1, np.int32),
+        np.ones(B, bool),
+        np.full(B, new, np.int32),
+    )[1]
     tokens = np.asarray(out.tokens)
     for i in range(B):
         np.testing.assert_array_equal(tokens[i, :new], fixture[f"greedy{i}_tokens"], err_msg=f"{name} prompt {i}")
@@ -84,7 +96,16 @@ def test_the_episode_driver_renders_the_checkpoints_own_chat_template(real):
     messages = record["messages"]
     run = R.replay_episode(chat, messages)
     assert run.messages == messages
-    assert [m["role"] for m in run.messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "tool", "assistant"]
+    assert [m["role"] for m in run.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+    ]
     expected = list(fixture["episode_ids"])
     # apply_chat_template closes the last turn with "<|im_end|>\n"; the trajectory ends at the sampled <|im_end|>
     assert chat.decode(expected[-1:]) == "\n" and expected[-2] == chat.im_end_id
@@ -118,16 +139,35 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
 
     directory = R.MODELS_DIR / "smollm2-135m-instruct"
     if not (directory / "fetch.json").exists():
-        pytest.skip(f"smollm2-135m-instruct not fetched: python -m tools.fetch_models --model smollm2-135m-instruct --out {directory}")
+        pytest.skip(
+            f"smollm2-135m-instruct not fetched: python -m tools.fetch_models --model smollm2-135m-instruct "
+            f"--out {directory}"
+        )
     workdir = tmp_path / "run"
-    args = ["--config=configs/real_cpu.py", f"--config.model.checkpoint={directory}", f"--workdir={workdir}",
-            f"--config.data.folders={shared_data / 'cranfield'}", "--config.data.validation_min=0", "--config.data.max_eval_tasks=2",
-            "--config.max_steps=2", "--config.global_batch_size=2", "--config.rollout.group_size=2",
-            "--config.rollout_max_concurrency=4", "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
-            "--config.rollout.max_len=1024", "--config.rl.entropy_coef=0.01", "--config.optim.learning_rate=1e-4",
-            "--config.checkpoint.every_steps=1", "--config.search.cache_dir=", "--config.log.progress=False",
-            "--config.rollout.precompile=False"]
-    done = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500)
+    args = [
+        "--config=configs/real_cpu.py",
+        f"--config.model.checkpoint={directory}",
+        f"--workdir={workdir}",
+        f"--config.data.folders={shared_data / 'cranfield'}",
+        "--config.data.validation_min=0",
+        "--config.data.max_eval_tasks=2",
+        "--config.max_steps=2",
+        "--config.global_batch_size=2",
+        "--config.rollout.group_size=2",
+        "--config.rollout_max_concurrency=4",
+        "--config.rollout.max_tokens_per_turn=24",
+        "--config.rollout.decode_chunk=24",
+        "--config.rollout.max_len=1024",
+        "--config.rl.entropy_coef=0.01",
+        "--config.optim.learning_rate=1e-4",
+        "--config.checkpoint.every_steps=1",
+        "--config.search.cache_dir=",
+        "--config.log.progress=False",
+        "--config.rollout.precompile=False",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
@@ -135,7 +175,10 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         assert s["train/behav_logp_max_abs_dev"] <= 1e-3, s["train/behav_logp_max_abs_dev"]
         assert s["train/grad_norm"] > 0
     state = ocp.CheckpointManager(workdir.absolute() / "checkpoints").restore(
-        2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore()))["state"]
+        2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore())
+    )["state"]
     _, start = load_hf_checkpoint(directory)
-    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"])
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"]
+    )
     assert max(jax.tree.leaves(moved)) > 1e-5

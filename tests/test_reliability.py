@@ -40,7 +40,9 @@ def synthetic():
 BAD_OUTPUTS = [
     "<tool_call>" + "[" * 5000 + "</tool_call>",  # RecursionError in json.loads
     "<answer>" + "[" * 5000 + "</answer>",
-    '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": ' + "9" * 5000 + "}}</tool_call>",  # int limit
+    '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": '
+    + "9" * 5000
+    + "}}</tool_call>",  # int limit
     "<answer>[" + "9" * 5000 + "]</answer>",
     '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": 1e999}}</tool_call>',
     '<tool_call>{"name": "bm25_search", "arguments": {"query": "\\ud800"}}</tool_call>',  # lone surrogate
@@ -82,11 +84,15 @@ def test_control_token_text_in_tool_output_is_never_a_control_token():
     assert sorted(t for t in reply if t in control_ids) == sorted(t for t in plain_reply if t in control_ids)
     assert evil in chat.decode(reply) and "valve " + evil in chat.decode(reply)  # the text is kept, byte for byte
     # the system prompt we author keeps its tags as the chat template renders them
-    system = chat.prompt([{"role": "system", "content": "call as <tool_call>{}</tool_call>"}, {"role": "user", "content": "q"}])
+    system = chat.prompt(
+        [{"role": "system", "content": "call as <tool_call>{}</tool_call>"}, {"role": "user", "content": "q"}]
+    )
     assert chat.tokenizer.token_to_id("<tool_call>") in system
     # ordinary content is encoded exactly as before (one string, no splitting)
-    assert plain_reply == chat.encode(f"\n{IM_START}user\n<tool_response>\npump\n</tool_response>\n<tool_response>\nvalve\n"
-                                      f"</tool_response>{IM_END}\n{IM_START}assistant\n")
+    assert plain_reply == chat.encode(
+        f"\n{IM_START}user\n<tool_response>\npump\n</tool_response>\n<tool_response>\nvalve\n"
+        f"</tool_response>{IM_END}\n{IM_START}assistant\n"
+    )
 
 
 # ------------------------------------------------------------------ the tool server and its client
@@ -126,12 +132,24 @@ def scripted_server():
     server.server_close()
 
 
-@pytest.mark.parametrize("body", [b'{"results": null}', b'{"results": [{"doc_id": "d1"}]}', b'{"results": [{"doc_id": 7, "text": "x"}]}',
-                                  b'{"results": [1]}', b"not json", b"[" * 5000, b'{"results": [{"doc_id": "d", "text": "t", "score": "high"}]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"results": null}',
+        b'{"results": [{"doc_id": "d1"}]}',
+        b'{"results": [{"doc_id": 7, "text": "x"}]}',
+        b'{"results": [1]}',
+        b"not json",
+        b"[" * 5000,
+        b'{"results": [{"doc_id": "d", "text": "t", "score": "high"}]}',
+    ],
+)
 def test_a_malformed_reply_is_a_counted_tool_error(synthetic, scripted_server, body):
     url = f"http://127.0.0.1:{scripted_server.server_address[1]}"
     scripted_server.script = [(200, body)]
-    env = make_environment(synthetic, SearchSettings(tools=()), extra_tools=[RemoteSearchTool("bm25_search", "d", url, retries=0)])
+    env = make_environment(
+        synthetic, SearchSettings(tools=()), extra_tools=[RemoteSearchTool("bm25_search", "d", url, retries=0)]
+    )
     episode, _ = env.reset(synthetic.tasks[0])
     result = env.step(episode, '<tool_call>{"name": "bm25_search", "arguments": {"query": "pump"}}</tool_call>')
     assert result.messages[0]["content"].startswith("Error:") and "malformed reply" in result.messages[0]["content"]
@@ -140,7 +158,11 @@ def test_a_malformed_reply_is_a_counted_tool_error(synthetic, scripted_server, b
 
 def test_overloaded_replies_are_retried(scripted_server):
     url = f"http://127.0.0.1:{scripted_server.server_address[1]}"
-    scripted_server.script = [(429, b'{"error": "slow down"}'), (503, b"{}"), (200, b'{"results": [{"doc_id": "d1", "text": "t", "score": 1.0}]}')]
+    scripted_server.script = [
+        (429, b'{"error": "slow down"}'),
+        (503, b"{}"),
+        (200, b'{"results": [{"doc_id": "d1", "text": "t", "score": 1.0}]}'),
+    ]
     tool = RemoteSearchTool("bm25_search", "d", url, retries=3, backoff_s=0.01)
     assert tool({"query": "pump"}).doc_ids == ["d1"] and scripted_server.calls == 3
 
@@ -150,7 +172,9 @@ def test_a_dead_tool_server_fails_at_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.perf_counter()
-    with pytest.raises(ConnectionError, match=f"search.remote_url=http://127.0.0.1:{port}: the tool server is unreachable"):
+    with pytest.raises(
+        ConnectionError, match=f"search.remote_url=http://127.0.0.1:{port}: the tool server is unreachable"
+    ):
         check_service(f"http://127.0.0.1:{port}")
     assert time.perf_counter() - start < 10
 
@@ -159,8 +183,9 @@ def test_tool_server_answers_bad_headers_and_drops_stalled_clients(synthetic):
     from mtrl_jax.search.build import make_tools
     from mtrl_jax.search.server import make_server, serve_in_background
 
-    server = make_server({synthetic.name: {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=16))}},
-                         read_timeout_s=0.5)
+    server = make_server(
+        {synthetic.name: {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=16))}}, read_timeout_s=0.5
+    )
     serve_in_background(server)
     port = server.server_address[1]
     try:
@@ -169,7 +194,9 @@ def test_tool_server_answers_bad_headers_and_drops_stalled_clients(synthetic):
             c.sendall(f"POST /{synthetic.name}/search HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n".encode())
             assert c.recv(4096).startswith(b"HTTP/1.1 400 ")
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:  # half-sent body: dropped after the timeout
-            c.sendall(f"POST /{synthetic.name}/search HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{\"to".encode())
+            c.sendall(
+                f"POST /{synthetic.name}/search HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{\"to".encode()
+            )
             start = time.perf_counter()
             assert c.recv(4096) == b"" and time.perf_counter() - start < 4
     finally:
@@ -183,8 +210,12 @@ def test_tool_server_answers_bad_headers_and_drops_stalled_clients(synthetic):
 def _state(value):
     from mtrl_jax.rl.train_step import TrainState
 
-    return TrainState({"w": jnp.full((2, 3), value, jnp.float32)}, {"mu": jnp.zeros((2, 3))}, jnp.asarray(0, jnp.int32),
-                      jax.random.PRNGKey(0))
+    return TrainState(
+        {"w": jnp.full((2, 3), value, jnp.float32)},
+        {"mu": jnp.zeros((2, 3))},
+        jnp.asarray(0, jnp.int32),
+        jax.random.PRNGKey(0),
+    )
 
 
 def _damage(step_dir: pathlib.Path, how: str):
@@ -240,8 +271,10 @@ def test_no_intact_checkpoint_and_non_finite_weights_are_errors(tmp_path):
 def test_a_second_run_on_a_locked_workdir_stops_and_a_stale_lock_is_taken_over(tmp_path):
     from mtrl_jax.checkpoint import WorkdirLock
 
-    code = (f"import time; from mtrl_jax.checkpoint import WorkdirLock; lock = WorkdirLock({str(tmp_path)!r}).acquire(); "
-            "print('locked', flush=True); time.sleep(60)")
+    code = (
+        f"import time; from mtrl_jax.checkpoint import WorkdirLock; lock = WorkdirLock({str(tmp_path)!r}).acquire(); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -287,19 +320,22 @@ def _config(**overrides):
     return config
 
 
-@pytest.mark.parametrize("path,value,message", [
-    ("global_batch_size", 0, "global_batch_size must be >= 1"),
-    ("checkpoint.every_steps", 0, "checkpoint.every_steps must be >= 1"),
-    ("rl.mini_batches", 3, "rl.mini_batches x rl.micro_batches = 24 does not divide the 64 trajectories"),
-    ("rollout.max_tokens_per_turn", 0, "rollout.max_tokens_per_turn must be >= 1"),
-    ("optim.learning_rate", -1.0, "optim.learning_rate must be > 0"),
-    ("rollout.group_size", 1, "rollout.group_size must be >= 2"),
-    ("rl.loss", "ppoo", "rl.loss: unknown loss 'ppoo'"),
-    ("rl.loss_options", "clip_hihg=0.3", r"rl.loss_options: loss 'ppo' does not take \['clip_hihg'\]"),
-    ("warmup.teacher_tools", "web_search:1", "warmup.teacher_tools"),
-    ("warmup.hop_drills", -1, "warmup.hop_drills must be >= 0"),
-    ("data.validation_fraction", 0.0, "data.validation_fraction must be in"),
-])
+@pytest.mark.parametrize(
+    "path,value,message",
+    [
+        ("global_batch_size", 0, "global_batch_size must be >= 1"),
+        ("checkpoint.every_steps", 0, "checkpoint.every_steps must be >= 1"),
+        ("rl.mini_batches", 3, "rl.mini_batches x rl.micro_batches = 24 does not divide the 64 trajectories"),
+        ("rollout.max_tokens_per_turn", 0, "rollout.max_tokens_per_turn must be >= 1"),
+        ("optim.learning_rate", -1.0, "optim.learning_rate must be > 0"),
+        ("rollout.group_size", 1, "rollout.group_size must be >= 2"),
+        ("rl.loss", "ppoo", "rl.loss: unknown loss 'ppoo'"),
+        ("rl.loss_options", "clip_hihg=0.3", r"rl.loss_options: loss 'ppo' does not take \['clip_hihg'\]"),
+        ("warmup.teacher_tools", "web_search:1", "warmup.teacher_tools"),
+        ("warmup.hop_drills", -1, "warmup.hop_drills must be >= 0"),
+        ("data.validation_fraction", 0.0, "data.validation_fraction must be in"),
+    ],
+)
 def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, message):
     from mtrl_jax.setup import build
 
@@ -335,15 +371,26 @@ QRELS = b"query-id\tcorpus-id\tscore\nq1\td1\t1\n"
 
 
 def test_data_errors_name_the_file_and_line(tmp_path):
-    bad = _beir(tmp_path / "a", CORPUS + b'{"_id": "d3", "text": "caf\xe9"}\n', b'{"_id": "q1", "text": "pump"}\n', QRELS)
+    bad = _beir(
+        tmp_path / "a", CORPUS + b'{"_id": "d3", "text": "caf\xe9"}\n', b'{"_id": "q1", "text": "pump"}\n', QRELS
+    )
     with pytest.raises(DataError, match=r"a/corpus.jsonl:3: not UTF-8 \(byte 0xe9"):
         load_beir(bad)
     with pytest.raises(DataError, match=r"b/queries.jsonl: no queries"):
         load_beir(_beir(tmp_path / "b", CORPUS, b"", QRELS))
     with pytest.raises(DataError, match=r"c/queries.jsonl:2: duplicate query id 'q1' \(first at line 1\)"):
-        load_beir(_beir(tmp_path / "c", CORPUS, b'{"_id": "q1", "text": "pump"}\n{"_id": "q1", "text": "valve"}\n', QRELS))
+        load_beir(
+            _beir(tmp_path / "c", CORPUS, b'{"_id": "q1", "text": "pump"}\n{"_id": "q1", "text": "valve"}\n', QRELS)
+        )
     with pytest.raises(DataError, match=r"d/qrels.tsv:2: not UTF-8"):
-        load_beir(_beir(tmp_path / "d", CORPUS, b'{"_id": "q1", "text": "pump"}\n', b"query-id\tcorpus-id\tscore\nq1\td\xff\t1\n"))
+        load_beir(
+            _beir(
+                tmp_path / "d",
+                CORPUS,
+                b'{"_id": "q1", "text": "pump"}\n',
+                b"query-id\tcorpus-id\tscore\nq1\td\xff\t1\n",
+            )
+        )
 
 
 def test_tiny_corpora_work_or_fail_clearly():
@@ -352,7 +399,9 @@ def test_tiny_corpora_work_or_fail_clearly():
     episode, _ = env.reset(one.tasks[0])
     result = env.step(episode, '<tool_call>{"name": "vector_search", "arguments": {"query": "pump"}}</tool_call>')
     assert "d1" in result.messages[0]["content"]
-    stop_words = Collection("sw", [Document("d1", "", "the of"), Document("d2", "", "and a")], [Task("sw/1", "the", {"d1": 1}, "sw")])
+    stop_words = Collection(
+        "sw", [Document("d1", "", "the of"), Document("d2", "", "and a")], [Task("sw/1", "the", {"d1": 1}, "sw")]
+    )
     with pytest.raises(ValueError, match="TF-IDF encoder: the 2 documents have no indexable term"):
         make_environment(stop_words, SearchSettings(tfidf_dim=16))
 
@@ -422,7 +471,9 @@ def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
     guard = NonFiniteGuard(limit=3)
     for step, skipped in enumerate([1, 2, 0, 1, 1], start=1):  # the finite step in between resets the count
         guard.observe(step, skipped, tmp_path / "checkpoints" / str(step - 1))
-    with pytest.raises(FloatingPointError, match=r"RL step 6: 3 RL steps in a row .* The last checkpoint, .*checkpoints/5, holds"):
+    with pytest.raises(
+        FloatingPointError, match=r"RL step 6: 3 RL steps in a row .* The last checkpoint, .*checkpoints/5, holds"
+    ):
         guard.observe(6, 2, tmp_path / "checkpoints" / "5")
 
 
@@ -435,9 +486,12 @@ def test_the_analyzer_is_safe_from_many_tool_threads():
     from mtrl_jax.search.text import Analyzer
 
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghilmnoprstuvy") for _ in range(rng.randint(3, 14))) + rng.choice(["ational", "ization", "fulness", "iveness", "ing", "ed", ""])
-             for _ in range(4000)]
-    texts = [" ".join(words[i:i + 40]) for i in range(0, len(words), 40)]
+    words = [
+        "".join(rng.choice("abcdefghilmnoprstuvy") for _ in range(rng.randint(3, 14)))
+        + rng.choice(["ational", "ization", "fulness", "iveness", "ing", "ed", ""])
+        for _ in range(4000)
+    ]
+    texts = [" ".join(words[i : i + 40]) for i in range(0, len(words), 40)]
     expected = [Analyzer(stem="english")(t) for t in texts]
     from mtrl_jax.search import text as text_module
 

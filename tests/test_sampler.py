@@ -33,7 +33,7 @@ def _padded(seqs):
     tokens = np.zeros((len(seqs), T), np.int32)
     mask = np.zeros_like(tokens)
     for i, s in enumerate(seqs):
-        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+        tokens[i, : len(s)], mask[i, : len(s)] = s, 1
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
@@ -45,22 +45,22 @@ def test_greedy_decode_equals_stepwise_argmax(model_params):
         seq = list(prompt)
         for _ in range(12):
             tokens, mask = np.zeros((1, 32), np.int32), np.zeros((1, 32), np.int32)
-            tokens[0, :len(seq)], mask[0, :len(seq)] = seq, 1
+            tokens[0, : len(seq)], mask[0, : len(seq)] = seq, 1
             logits = full_forward(tokens, mask)
             seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-        assert list(np.asarray(out.tokens[row])) == seq[len(prompt):]
+        assert list(np.asarray(out.tokens[row])) == seq[len(prompt) :]
 
 
 def test_behaviour_logprobs_equal_teacher_forced_recompute(model_params):
     model, params = model_params
     temperature = np.array([1.0, 0.7, 1.3], np.float32)
     _, out = _run(model_params, temperature=temperature, top_p=[1.0, 0.9, 0.8], seed=3)
-    seqs = [p + list(np.asarray(out.tokens[i, :out.num_tokens[i]])) for i, p in enumerate(PROMPTS)]
+    seqs = [p + list(np.asarray(out.tokens[i, : out.num_tokens[i]])) for i, p in enumerate(PROMPTS)]
     tokens, mask = _padded(seqs)
     logp, _ = sequence_logprobs(model.config, params, tokens, mask, temperature=temperature, chunk_size=7)
     for i, p in enumerate(PROMPTS):
         n = int(out.num_tokens[i])
-        np.testing.assert_allclose(np.asarray(logp[i, len(p):len(p) + n]), np.asarray(out.logp[i, :n]), atol=1e-4)
+        np.testing.assert_allclose(np.asarray(logp[i, len(p) : len(p) + n]), np.asarray(out.logp[i, :n]), atol=1e-4)
 
 
 def test_prefill_then_extend_equals_prefill_of_concatenation(model_params):
@@ -71,7 +71,9 @@ def test_prefill_then_extend_equals_prefill_of_concatenation(model_params):
     two_step, _ = smp.extend(params, smp.extend(params, smp.init(), PROMPTS)[0], extra)
     one_step, _ = smp.extend(params, smp.init(), [p + e for p, e in zip(PROMPTS, extra)])
     np.testing.assert_array_equal(two_step.lengths, one_step.lengths)
-    np.testing.assert_allclose(S.next_token_logits(cfg, params, two_step), S.next_token_logits(cfg, params, one_step), atol=1e-4)
+    np.testing.assert_allclose(
+        S.next_token_logits(cfg, params, two_step), S.next_token_logits(cfg, params, one_step), atol=1e-4
+    )
     # and both equal the plain forward's last-position logits
     tokens, mask = _padded([p + e for p, e in zip(PROMPTS, extra)])
     logits = compute_logits(model, params, tokens, mask)
@@ -88,7 +90,7 @@ def test_stopped_row_writes_nothing_more(model_params):
     assert int(out.num_tokens[1]) == first + 1
     assert S.STOP_REASONS[int(out.stop_reason[1])] == "stop_token"
     assert int(out.tokens[1, first]) == stop_id  # the stop token itself is kept
-    assert np.all(np.asarray(out.tokens[1, first + 1:]) == 0) and np.all(np.asarray(out.logp[1, first + 1:]) == 0)
+    assert np.all(np.asarray(out.tokens[1, first + 1 :]) == 0) and np.all(np.asarray(out.logp[1, first + 1 :]) == 0)
     length = len(PROMPTS[1]) + first + 1
     assert int(state.lengths[1]) == length
     assert np.all(np.asarray(state.cache.k[:, 1, :, length:]) == 0)  # nothing written past the stop
@@ -182,7 +184,7 @@ def test_extend_computes_only_the_new_tokens_in_pieces(model_params):
         assert counts.computed == computed
         tokens = np.zeros((4, max(len(b) for b in blocks)), np.int32)
         for row, block in enumerate(blocks):
-            tokens[row, :len(block)] = block
+            tokens[row, : len(block)] = block
         everything = S.extend(cfg, params, copy(start), jnp.asarray(tokens), jnp.asarray([len(b) for b in blocks]), 128)
         np.testing.assert_array_equal(pieces.lengths, everything.lengths)
         np.testing.assert_allclose(pieces.last_hidden, everything.last_hidden, atol=1e-5)
@@ -297,7 +299,9 @@ def test_new_sequences_share_cached_prefixes_and_give_what_computing_gives(model
         state = extend(smp.init(), [system + [1, 2, 3], system + [1, 2, 3], system + [7], [9, 8, 7, 6, 5]])
         state, out = smp.decode(params, state, jax.random.PRNGKey(0), [0.0] * 4, [1.0] * 4, [[-1]] * 4, [True] * 4)
         # rows 0 and 3 start over: row 0 takes its own stale system prompt, row 3 row 0's
-        state = extend(smp.reset_rows(state, [True, False, False, True]), [system + [4, 4], [5], [], system + [6, 6, 6]])
+        state = extend(
+            smp.reset_rows(state, [True, False, False, True]), [system + [4, 4], [5], [], system + [6, 6, 6]]
+        )
         # other parameters: nothing computed with the old ones is shared
         extend(smp.reset_rows(state, [True, False, False, False]), [system + [8], [], [], []], other)
         return states, computed, sum(shared), np.asarray(out.tokens)
@@ -330,7 +334,9 @@ def test_decode_windows_start_above_the_shortest_prompt(model_params):
     assert full.call_shapes()[1] == [64, 96, 128, 192, 256, 384, 512]  # two an octave
     short = E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=81)  # the default's
     assert short.call_shapes()[1] == [192, 256, 384, 512]
-    assert short.call_shapes()[0] == full.call_shapes()[0]  # extend: every window (a call may hold a prompt's first pieces)
+    assert (
+        short.call_shapes()[0] == full.call_shapes()[0]
+    )  # extend: every window (a call may hold a prompt's first pieces)
     assert E.Sampler(model.config, slots=3, max_len=512, max_new_tokens=48, min_length=600).call_shapes()[1] == [512]
 
 
@@ -356,9 +362,17 @@ def test_the_decode_window_changes_no_sample(model_params):
     model, params = model_params
     smp = E.Sampler(model.config, slots=3, max_len=256, max_new_tokens=16)
     base, _ = smp.extend(params, smp.init(), [list(range(1, 41)), [3, 4, 5], list(range(7, 30))])
-    rows = (jax.random.split(jax.random.PRNGKey(5), 3), np.ones(3, np.float32), np.ones(3, np.float32),
-            np.full((3, 1), -1, np.int32), np.ones(3, bool), np.full(3, 16, np.int32))
-    outs = [smp._decode(params, jax.tree.map(jnp.copy, base), *rows, max_new_tokens=16, window=w)[1] for w in (64, 96, 256)]
+    rows = (
+        jax.random.split(jax.random.PRNGKey(5), 3),
+        np.ones(3, np.float32),
+        np.ones(3, np.float32),
+        np.full((3, 1), -1, np.int32),
+        np.ones(3, bool),
+        np.full(3, 16, np.int32),
+    )
+    outs = [
+        smp._decode(params, jax.tree.map(jnp.copy, base), *rows, max_new_tokens=16, window=w)[1] for w in (64, 96, 256)
+    ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out.tokens, outs[0].tokens)
         np.testing.assert_allclose(out.logp, outs[0].logp, rtol=1e-6, atol=1e-6)

@@ -10,7 +10,14 @@ import rank_bm25
 from mtrl_jax.data import collection as col
 from mtrl_jax.data.collection import DataError, Task
 from mtrl_jax.data.synthetic import make_synthetic_collection
-from mtrl_jax.chat import COMPACT_INSTRUCTIONS, DEFAULT_INSTRUCTIONS, ChatFormat, parse_answer, parse_tool_calls, train_tokenizer
+from mtrl_jax.chat import (
+    COMPACT_INSTRUCTIONS,
+    DEFAULT_INSTRUCTIONS,
+    ChatFormat,
+    parse_answer,
+    parse_tool_calls,
+    train_tokenizer,
+)
 from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolOutput, run_scripted
 from mtrl_jax.search import metrics
 from mtrl_jax.search.bm25 import BM25Index
@@ -72,8 +79,11 @@ def test_ndcg_hand_computed():
 def test_trec_run_writer():
     out = io.StringIO()
     metrics.write_trec_run(out, {"q1": [("d1", 2.5), ("d2", 1.0), ("d1", 0.5)], "q2": ["d9"]}, tag="bm25")
-    assert out.getvalue().splitlines() == ["q1 Q0 d1 1 2.500000 bm25", "q1 Q0 d2 2 1.000000 bm25",
-                                           "q2 Q0 d9 1 -1.000000 bm25"]
+    assert out.getvalue().splitlines() == [
+        "q1 Q0 d1 1 2.500000 bm25",
+        "q1 Q0 d2 2 1.000000 bm25",
+        "q2 Q0 d9 1 -1.000000 bm25",
+    ]
 
 
 def test_rrf():
@@ -91,7 +101,10 @@ def _write(path, lines):
 
 
 def _beir(tmp_path, corpus=None, queries=None, qrels=None):
-    _write(tmp_path / "corpus.jsonl", corpus or ['{"_id": "d1", "title": "T", "text": "alpha"}', '{"_id": "d2", "text": "beta"}'])
+    _write(
+        tmp_path / "corpus.jsonl",
+        corpus or ['{"_id": "d1", "title": "T", "text": "alpha"}', '{"_id": "d2", "text": "beta"}'],
+    )
     _write(tmp_path / "queries.jsonl", queries or ['{"_id": "q1", "text": "alpha?"}', '{"_id": "q2", "text": "none"}'])
     _write(tmp_path / "qrels.tsv", qrels or ["query-id\tcorpus-id\tscore", "q1\td1\t2", "q2\td2\t0"])
     return tmp_path
@@ -102,15 +115,22 @@ def test_load_beir_skips_queries_without_positive_judgment(tmp_path):
     assert [t.task_id for t in c.tasks] == ["toy/q1"] and c.tasks[0].qrels == {"d1": 2}
 
 
-@pytest.mark.parametrize("which,lines,message", [
-    ("corpus", ['{"_id": "d1", "text": "a"}', '{"_id": "d1", "text": "b"}'], r"corpus.jsonl:2: duplicate document id 'd1'"),
-    ("corpus", ['{"_id": "d1", "text": "a"}', '{not json'], r"corpus.jsonl:2: invalid JSON"),
-    ("corpus", ['{"_id": "d1"}'], r"corpus.jsonl:1: missing field 'text'"),
-    ("qrels", ["query-id\tcorpus-id\tscore", "q1\td1\tx"], r"qrels.tsv:2: score 'x' is not an integer"),
-    ("qrels", ["query-id\tcorpus-id\tscore", "q1\td7\t1"], r"qrels.tsv:2: document 'd7' is not in the corpus"),
-    ("qrels", ["query-id\tcorpus-id\tscore", "q1 d1 1"], r"qrels.tsv:2: expected 3 tab-separated fields"),
-    ("queries", ['{"_id": "q1", "text": 5}'], r"queries.jsonl:1: field 'text' must be str"),
-])
+@pytest.mark.parametrize(
+    "which,lines,message",
+    [
+        (
+            "corpus",
+            ['{"_id": "d1", "text": "a"}', '{"_id": "d1", "text": "b"}'],
+            r"corpus.jsonl:2: duplicate document id 'd1'",
+        ),
+        ("corpus", ['{"_id": "d1", "text": "a"}', '{not json'], r"corpus.jsonl:2: invalid JSON"),
+        ("corpus", ['{"_id": "d1"}'], r"corpus.jsonl:1: missing field 'text'"),
+        ("qrels", ["query-id\tcorpus-id\tscore", "q1\td1\tx"], r"qrels.tsv:2: score 'x' is not an integer"),
+        ("qrels", ["query-id\tcorpus-id\tscore", "q1\td7\t1"], r"qrels.tsv:2: document 'd7' is not in the corpus"),
+        ("qrels", ["query-id\tcorpus-id\tscore", "q1 d1 1"], r"qrels.tsv:2: expected 3 tab-separated fields"),
+        ("queries", ['{"_id": "q1", "text": 5}'], r"queries.jsonl:1: field 'text' must be str"),
+    ],
+)
 def test_bad_lines_are_reported_with_file_and_line(tmp_path, which, lines, message):
     _beir(tmp_path, **{which: lines})
     with pytest.raises(DataError, match=message):
@@ -132,14 +152,23 @@ def test_task_jsonl_round_trip_and_validation(tmp_path, synthetic):
 
 def test_every_task_carries_a_type(tmp_path, synthetic):
     assert {t.type for t in synthetic.tasks} == {"synthetic/lookup", "synthetic/describe", "synthetic/multihop"}
-    queries = ['{"_id": "2hop__1_2", "text": "a?"}', '{"_id": "3hop1__3_4_5", "text": "b?"}', '{"_id": "q3", "text": "c?"}',
-               '{"_id": "q4", "text": "d?", "type": "hard"}']
+    queries = [
+        '{"_id": "2hop__1_2", "text": "a?"}',
+        '{"_id": "3hop1__3_4_5", "text": "b?"}',
+        '{"_id": "q3", "text": "c?"}',
+        '{"_id": "q4", "text": "d?", "type": "hard"}',
+    ]
     qrels = ["query-id\tcorpus-id\tscore"] + [f"{q}\td1\t1" for q in ("2hop__1_2", "3hop1__3_4_5", "q3", "q4")]
     c = col.load_beir(_beir(tmp_path, queries=queries, qrels=qrels), name="musique")
     assert [t.type for t in c.tasks] == ["musique/2hop", "musique/3hop", "musique", "musique/hard"]
     path = tmp_path / "tasks.jsonl"
-    _write(path, [json.dumps({"task_id": "t1", "query": "q", "qrels": {"d": 1}, "corpus": "mine", "type": "easy"}),
-                  json.dumps({"task_id": "t2", "query": "q", "qrels": {"d": 1}, "corpus": "mine"})])
+    _write(
+        path,
+        [
+            json.dumps({"task_id": "t1", "query": "q", "qrels": {"d": 1}, "corpus": "mine", "type": "easy"}),
+            json.dumps({"task_id": "t2", "query": "q", "qrels": {"d": 1}, "corpus": "mine"}),
+        ],
+    )
     assert [t.type for t in col.load_tasks(path)] == ["mine/easy", "mine"]
     for bad in ('""', '"a/b"', "3"):
         _write(path, ['{"task_id": "t1", "query": "q", "qrels": {"d": 1}, "corpus": "mine", "type": %s}' % bad])
@@ -150,6 +179,7 @@ def test_every_task_carries_a_type(tmp_path, synthetic):
 def test_synthetic_documents_quote_every_identifier_they_show(synthetic):
     # quoted as in a tool call's JSON query, so that a copy out of search results is token for token
     import re
+
     shown = 0
     for doc in synthetic.documents:
         for text in (doc.title, doc.text):
@@ -266,8 +296,10 @@ def run_text_episode(env, task, policy, chat):
 
 
 def test_tool_call_and_answer_parsing():
-    calls = parse_tool_calls('x <tool_call>{"name": "bm25_search", "arguments": {"query": "a"}}</tool_call>'
-                             '<tool_call>{bad}</tool_call><tool_call>[1]</tool_call><tool_call>')
+    calls = parse_tool_calls(
+        'x <tool_call>{"name": "bm25_search", "arguments": {"query": "a"}}</tool_call>'
+        '<tool_call>{bad}</tool_call><tool_call>[1]</tool_call><tool_call>'
+    )
     assert calls[0] == ("bm25_search", {"query": "a"}, None, None)
     assert [c.error_kind for c in calls[1:]] == ["bad_json", "bad_format", "bad_format"]
     assert parse_answer("<answer>d1, d2 d3</answer>") == ["d1", "d2", "d3"]
@@ -280,8 +312,12 @@ def test_episode_with_search_then_answer(synthetic, chat):
     task = next(t for t in synthetic.tasks if t.type == "synthetic/lookup")
     ident = task.query.split()[0]
     best = max(task.qrels, key=task.qrels.get)
-    script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{ident}"}}}}</tool_call>',
-                   f"<answer>{best}</answer>"])
+    script = iter(
+        [
+            f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{ident}"}}}}</tool_call>',
+            f"<answer>{best}</answer>",
+        ]
+    )
     seen = []
     episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs), next(script))[1], chat)
     assert "<tools>" in seen[0][0]["content"] and "bm25_search" in seen[0][0]["content"]
@@ -298,7 +334,11 @@ def test_system_prompts(synthetic):
     compact = _env(synthetic, tool_prompt="compact").system_prompt()
     assert compact.startswith(COMPACT_INSTRUCTIONS) and "<tools>" not in compact
     assert "bm25_search(query, top_k), vector_search(query, top_k)" in compact
-    assert _env(synthetic, tool_prompt="compact", instructions="Be brief.").system_prompt().startswith("Be brief.\nTools: ")
+    assert (
+        _env(synthetic, tool_prompt="compact", instructions="Be brief.")
+        .system_prompt()
+        .startswith("Be brief.\nTools: ")
+    )
     assert _env(synthetic, instructions="Be brief.").system_prompt().startswith("Be brief.\n\n# Tools")
     with pytest.raises(ValueError, match="env.tool_prompt"):
         SearchEnvConfig(tool_prompt="short")
@@ -307,18 +347,26 @@ def test_system_prompts(synthetic):
 def test_malformed_calls_become_tool_errors_and_are_counted(synthetic, chat):
     env = _env(synthetic, max_turns=10)
     task = synthetic.tasks[0]
-    bad_calls = ["<tool_call>{oops</tool_call>", '<tool_call>{"name": "web_search", "arguments": {"query": "x"}}</tool_call>',
-                 '<tool_call>{"name": "bm25_search", "arguments": {"q": "x"}}</tool_call>',
-                 '<tool_call>{"name": "bm25_search", "arguments": {"query": "   "}}</tool_call>',
-                 '<tool_call>{"name": "vector_search", "arguments": {"query": 3}}</tool_call>',
-                 '<tool_call>{"name": "bm25_search", "arguments": {"query": "valve", "top_k": 99}}</tool_call>',
-                 "<answer></answer>"]
+    bad_calls = [
+        "<tool_call>{oops</tool_call>",
+        '<tool_call>{"name": "web_search", "arguments": {"query": "x"}}</tool_call>',
+        '<tool_call>{"name": "bm25_search", "arguments": {"q": "x"}}</tool_call>',
+        '<tool_call>{"name": "bm25_search", "arguments": {"query": "   "}}</tool_call>',
+        '<tool_call>{"name": "vector_search", "arguments": {"query": 3}}</tool_call>',
+        '<tool_call>{"name": "bm25_search", "arguments": {"query": "valve", "top_k": 99}}</tool_call>',
+        "<answer></answer>",
+    ]
     script = iter(bad_calls)
     tool_messages = []
     episode = run_text_episode(env, task, lambda msgs: (tool_messages.append(msgs[-1]), next(script))[1], chat)
     assert all(m["content"].startswith("Error:") for m in tool_messages[1:])
-    assert episode.counters == {"tool_errors/bad_json": 1, "tool_errors/unknown_tool": 1, "tool_errors/bad_arguments": 3,
-                                "tool_errors/empty_query": 1, "answer_source/empty": 1}
+    assert episode.counters == {
+        "tool_errors/bad_json": 1,
+        "tool_errors/unknown_tool": 1,
+        "tool_errors/bad_arguments": 3,
+        "tool_errors/empty_query": 1,
+        "answer_source/empty": 1,
+    }
     assert episode.status == "ok" and episode.reward == 0.0 and episode.final_ranking == []
 
 
@@ -326,8 +374,13 @@ def test_malformed_calls_become_tool_errors_and_are_counted(synthetic, chat):
 def test_answer_fallback(synthetic, fallback, chat):
     env = _env(synthetic, answer_fallback=fallback)
     task = synthetic.tasks[0]
-    script = iter(['<tool_call>{"name": "bm25_search", "arguments": {"query": "valve"}}</tool_call>',
-                   '<tool_call>{"name": "vector_search", "arguments": {"query": "pump"}}</tool_call>', "I am done."])
+    script = iter(
+        [
+            '<tool_call>{"name": "bm25_search", "arguments": {"query": "valve"}}</tool_call>',
+            '<tool_call>{"name": "vector_search", "arguments": {"query": "pump"}}</tool_call>',
+            "I am done.",
+        ]
+    )
     episode = run_text_episode(env, task, lambda msgs: next(script), chat)
     first, last = episode.search_results
     if fallback == "last_search":
@@ -351,14 +404,24 @@ def test_failures_give_minus_one(synthetic, chat):
 def test_custom_tool_and_reward_in_a_few_lines(synthetic, chat):
     class Calculator(Tool):
         name, description = "add", "add two integers"
-        parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+        parameters = {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        }
 
         def run(self, a, b):
             return ToolOutput(str(a + b))
 
-    env = make_environment(synthetic, SearchSettings(tools=("bm25_search",)), extra_tools=[Calculator()],
-                           reward=lambda task, ranking: float(len(ranking)))
-    script = iter(['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>', "<answer>d0001 d0002</answer>"])
+    env = make_environment(
+        synthetic,
+        SearchSettings(tools=("bm25_search",)),
+        extra_tools=[Calculator()],
+        reward=lambda task, ranking: float(len(ranking)),
+    )
+    script = iter(
+        ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>', "<answer>d0001 d0002</answer>"]
+    )
     seen = []
     episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: (seen.append(msgs[-1]), next(script))[1], chat)
     assert seen[-1] == {"role": "tool", "content": "42"} and episode.reward == 2.0
@@ -376,8 +439,13 @@ def test_episode_through_the_http_endpoint(synthetic, chat):
         env = make_environment(synthetic, SearchSettings(tfidf_dim=32, remote_url=url))
         assert all(isinstance(t, RemoteSearchTool) for t in env.tools.values())
         task = next(t for t in synthetic.tasks if t.type == "synthetic/lookup")
-        script = iter([f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{task.query}"}}}}</tool_call>',
-                       '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": 50}}</tool_call>', "done"])
+        script = iter(
+            [
+                f'<tool_call>{{"name": "bm25_search", "arguments": {{"query": "{task.query}"}}}}</tool_call>',
+                '<tool_call>{"name": "bm25_search", "arguments": {"query": "x", "top_k": 50}}</tool_call>',
+                "done",
+            ]
+        )
         seen = []
         episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs[-1]), next(script))[1], chat)
         assert episode.search_results[0] == local["bm25_search"](({"query": task.query})).doc_ids
@@ -414,8 +482,12 @@ def test_synthetic_collection_is_deterministic_and_each_tool_wins_its_type():
     a, b = make_synthetic_collection(seed=3), make_synthetic_collection(seed=3)
     assert a.documents == b.documents and a.tasks == b.tasks
     assert 1000 <= len(a.documents) <= 3000
-    assert any(g == 1 for t in a.tasks for g in t.qrels.values()) and any(g == 2 for t in a.tasks for g in t.qrels.values())
-    r = evaluate_retrieval(a, ("bm25", "dense"), SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM), group_of=lambda t: t.type.split("/")[-1])
+    assert any(g == 1 for t in a.tasks for g in t.qrels.values()) and any(
+        g == 2 for t in a.tasks for g in t.qrels.values()
+    )
+    r = evaluate_retrieval(
+        a, ("bm25", "dense"), SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM), group_of=lambda t: t.type.split("/")[-1]
+    )
     bm25, dense = r["bm25"]["by_type"], r["dense"]["by_type"]
     assert bm25["lookup"]["ndcg@10"] > dense["lookup"]["ndcg@10"] + 0.05
     assert dense["describe"]["ndcg@10"] > 1.5 * bm25["describe"]["ndcg@10"]

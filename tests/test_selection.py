@@ -23,8 +23,16 @@ from mtrl_jax.trainer import Trainer
 def _group(rewards, status=None, group_id=0, kind="synthetic/lookup"):
     out = []
     for i, r in enumerate(rewards):
-        t = Trajectory(f"t{group_id}", group_id, i, kind, tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1],
-                       behav_logp=[0.0, -1.0, -1.0, -1.0], version=[-1, 0, 0, 0])
+        t = Trajectory(
+            f"t{group_id}",
+            group_id,
+            i,
+            kind,
+            tokens=[1, 2, 3, 4],
+            loss_mask=[0, 1, 1, 1],
+            behav_logp=[0.0, -1.0, -1.0, -1.0],
+            version=[-1, 0, 0, 0],
+        )
         t.reward, t.status = float(r), (status[i] if status else "ok")
         out.append(t)
     return out
@@ -93,23 +101,52 @@ class _Updater:
 
     def update(self, state, batch, ref_params):
         self.batches.append(batch)
-        return state, {"advantages": np.asarray(batch.reward), "skipped_steps": np.int32(0), "real_token_fraction": np.float32(1.0)}
+        return state, {
+            "advantages": np.asarray(batch.reward),
+            "skipped_steps": np.int32(0),
+            "real_token_fraction": np.float32(1.0),
+        }
 
 
 def _trainer(tmp_path, rewards_of, filter_groups, max_extra, truncation="penalty", divisor=4):
     tasks = tuple(Task(f"s/{i}", f"q{i}", {"d": 1}, "s", "s/" + ("a" if i % 2 else "b")) for i in range(40))
-    run = RunSettings(seed=0, global_batch_size=4, group_size=2, total_steps=2, asynchronous=False, max_staleness=0,
-                      batch_length=8, checkpoint_every=1, checkpoint_keep=1, eval_every=0, eval_temperature=0.0,
-                      log_trajectories=True, log_progress=False, max_nonfinite_steps=3, filter_groups=filter_groups,
-                      filter_max_extra_groups=max_extra, truncation=truncation)
+    run = RunSettings(
+        seed=0,
+        global_batch_size=4,
+        group_size=2,
+        total_steps=2,
+        asynchronous=False,
+        max_staleness=0,
+        batch_length=8,
+        checkpoint_every=1,
+        checkpoint_keep=1,
+        eval_every=0,
+        eval_temperature=0.0,
+        log_trajectories=True,
+        log_progress=False,
+        max_nonfinite_steps=3,
+        filter_groups=filter_groups,
+        filter_max_extra_groups=max_extra,
+        truncation=truncation,
+    )
     trainer = object.__new__(Trainer)
-    trainer.c = types.SimpleNamespace(run=run, train_tasks=tasks, schedule=TaskSchedule(list(tasks), 4),
-                                      updater=_Updater(divisor), chat=types.SimpleNamespace(pad_id=0))
-    trainer.workdir, trainer.record, trainer.ref_params, trainer.state = tmp_path, RunRecord(cursor=DataCursor()), None, None
+    trainer.c = types.SimpleNamespace(
+        run=run,
+        train_tasks=tasks,
+        schedule=TaskSchedule(list(tasks), 4),
+        updater=_Updater(divisor),
+        chat=types.SimpleNamespace(pad_id=0),
+    )
+    trainer.workdir, trainer.record, trainer.ref_params, trainer.state = (
+        tmp_path,
+        RunRecord(cursor=DataCursor()),
+        None,
+        None,
+    )
     trainer.nonfinite = NonFiniteGuard(3)
     trainer.collector = _Collector(rewards_of)
     trainer.rollouts = StepRollouts(trainer.collector, trainer.c.schedule, tasks, run.seed, run.group_size, max_extra)
-    trainer.selector = GroupSelector(run.max_staleness, run.global_batch_size, divisor, filter_groups, truncation)
+    trainer.c.selector = GroupSelector(run.max_staleness, run.global_batch_size, divisor, filter_groups, truncation)
     return trainer
 
 
@@ -124,7 +161,9 @@ def _schedule(request):
 def test_trainer_drops_all_equal_groups_and_refills_within_the_cap(tmp_path):
     trainer = _trainer(tmp_path, _schedule, filter_groups=True, max_extra=2)
     groups, timings = trainer.rollouts.collect(0)
-    assert len(groups) == 6 and timings["decode_s"] == 2.0  # 4 requested + 2 extra (capped), the collector's time summed
+    assert (
+        len(groups) == 6 and timings["decode_s"] == 2.0
+    )  # 4 requested + 2 extra (capped), the collector's time summed
     extra = trainer.collector.requests[1]
     assert [r.group_id for r in extra] == [4, 4, 5, 5] and all(r.task in trainer.c.train_tasks for r in extra)
     # the same step draws the same extra tasks and keys (a resumed run regenerates them identically)
@@ -133,13 +172,17 @@ def test_trainer_drops_all_equal_groups_and_refills_within_the_cap(tmp_path):
     assert all(np.array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key)) for a, b in zip(again, extra))
     metrics = trainer.train_on(0, groups)
     assert metrics["filter/dropped_groups"] == 3 and metrics["filter/extra_episodes"] == 4
-    assert metrics["filter/informative_groups"] == 3 and metrics["batch/left_out_groups"] == 1  # 3 groups: 2 split evenly
+    assert (
+        metrics["filter/informative_groups"] == 3 and metrics["batch/left_out_groups"] == 1
+    )  # 3 groups: 2 split evenly
     batch = trainer.c.updater.batches[-1]
     assert batch.tokens.shape[0] == 4 and sorted(batch.reward.tolist()) == [0.0, 0.0, 1.0, 1.0]
     # per-type diagnostics over every fresh group: the share of all-equal groups, the mean |advantage|
     kinds = {g[0].task_type for g in groups}
     assert {f"by_type/{k}/all_equal_groups" for k in kinds} <= set(metrics)
-    assert np.isclose(sum(metrics[f"by_type/{k}/all_equal_groups"] * sum(g[0].task_type == k for g in groups) for k in kinds), 3)
+    assert np.isclose(
+        sum(metrics[f"by_type/{k}/all_equal_groups"] * sum(g[0].task_type == k for g in groups) for k in kinds), 3
+    )
     trained = [t for g in groups for t in g if t.advantage is not None]
     assert len(trained) == 4 and all(t.advantage == t.reward for t in trained)
     lines = (tmp_path / "trajectories" / "step_000001.jsonl").read_text().splitlines()

@@ -41,23 +41,41 @@ class CountingEnv(Environment):
 def setup():
     chat = ChatFormat(train_tokenizer(["sys user tool result for query alpha beta gamma delta"] * 20, 320))
     # every sharded dimension divides by 8 (heads and KV heads by the tensor axis of up to 4)
-    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
-                      head_dim=16, qk_norm=True, tie_word_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        qk_norm=True,
+        tie_word_embeddings=False,
+    )
     return chat, cfg, init_params(cfg, jax.random.PRNGKey(0))
 
 
 def one_rl_step(chat, cfg, params, mesh):
     if mesh is not None:
         params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
-    requests = [EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
-                for i in range(16)]
-    collector = Collector(cfg, chat, CountingEnv(), CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6,
-                                                                   tool_workers=0), lambda: (params, 0), mesh)
+    requests = [
+        EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
+        for i in range(16)
+    ]
+    collector = Collector(
+        cfg,
+        chat,
+        CountingEnv(),
+        CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6, tool_workers=0),
+        lambda: (params, 0),
+        mesh,
+    )
     trajectories = collector.run(requests)
     batch = make_batch(trajectories, 4, 32, chat.pad_id)
     # plain SGD: Adam's m / sqrt(v) turns float-reordering noise in near-zero gradients into full-size steps
-    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1),
-                      optax.sgd(0.5), mesh)
+    updater = Updater(
+        cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1), optax.sgd(0.5), mesh
+    )
     state, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(1)), batch)
     return trajectories, state, metrics
 
@@ -77,7 +95,9 @@ def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_devic
     trajectories, state, metrics = one_rl_step(chat, cfg, params, make_mesh(shape))
     assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]  # the same samples
     np.testing.assert_allclose([t.behav_logp for t in trajectories][0], ref_trajectories[0].behav_logp, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params
+    )
     q_proj = state.params["layers"]["attn"]["q_proj"]
     expected = param_shardings(abstract_params(cfg), make_mesh(shape))["layers"]["attn"]["q_proj"]
     assert q_proj.sharding.is_equivalent_to(expected, q_proj.ndim)  # the update keeps the table's layout
@@ -104,8 +124,14 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     from mtrl_jax.rl.batch import TrajectoryBatch
 
     tokens = rng.integers(1, 300, size=(8, 32)).astype(np.int32)
-    batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((8, 32), np.float32), -np.ones((8, 32), np.float32),
-                            rng.uniform(size=8).astype(np.float32), group_size=4)
+    batch = TrajectoryBatch(
+        tokens,
+        np.ones_like(tokens),
+        np.ones((8, 32), np.float32),
+        -np.ones((8, 32), np.float32),
+        rng.uniform(size=8).astype(np.float32),
+        group_size=4,
+    )
     compiled = updater.lower(state, place_batch(batch, mesh), None).compile()
     (params_in, opt_in, _, _, batch_in, _), _ = compiled.input_shardings  # the state's fields, the batch, no reference
     (state_out, _) = compiled.output_shardings
@@ -119,8 +145,14 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
     smp = Sampler(cfg, slots=8, max_len=64, max_new_tokens=4, mesh=mesh)
     sampler_state, _ = smp.extend(params, smp.init(), [[1, 2, 3]] * 8)
     assert _spec(sampler_state.cache.k.sharding) == (None, ("data", "fsdp"), "tensor")
-    rows = (jax.random.split(jax.random.PRNGKey(0), 8), np.ones(8, np.float32), np.ones(8, np.float32), np.full((8, 1), -1, np.int32),
-            np.ones(8, bool), np.full(8, 4, np.int32))
+    rows = (
+        jax.random.split(jax.random.PRNGKey(0), 8),
+        np.ones(8, np.float32),
+        np.ones(8, np.float32),
+        np.full((8, 1), -1, np.int32),
+        np.ones(8, bool),
+        np.full(8, 4, np.int32),
+    )
     compiled = smp.lower_decode(params, sampler_state, *place_batch(rows, mesh)).compile()
     (params_in, state_in, *_), _ = compiled.input_shardings
     state_out, _ = compiled.output_shardings
@@ -129,7 +161,9 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
         assert _spec(where.cache.k) == (None, ("data", "fsdp"), "tensor")
         assert _spec(where.lengths)[0] == ("data", "fsdp")
     # the cache is donated: the state passed in is consumed, not copied
-    new_state, _ = smp.decode(params, sampler_state, jax.random.PRNGKey(0), [1.0] * 8, [1.0] * 8, [[-1]] * 8, [True] * 8)
+    new_state, _ = smp.decode(
+        params, sampler_state, jax.random.PRNGKey(0), [1.0] * 8, [1.0] * 8, [[-1]] * 8, [True] * 8
+    )
     assert sampler_state.cache.k.is_deleted() and not new_state.cache.k.is_deleted()
 
 
@@ -137,10 +171,17 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
 def test_bfloat16_compute_with_float32_parameters(setup):
     chat, cfg, params = setup
     bf16 = cfg.replace(dtype="bfloat16")  # parameters stay float32; log-probs and the loss are float32
-    requests = [EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
-                for i in range(8)]
-    collector = Collector(bf16, chat, CountingEnv(), CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6,
-                                                                    tool_workers=0), lambda: (params, 0))
+    requests = [
+        EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
+        for i in range(8)
+    ]
+    collector = Collector(
+        bf16,
+        chat,
+        CountingEnv(),
+        CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6, tool_workers=0),
+        lambda: (params, 0),
+    )
     trajectories = collector.run(requests)
     for i, t in enumerate(trajectories):  # distinct rewards within each group
         t.reward = float(i % 3)
@@ -163,11 +204,21 @@ def _update_flops_per_device(cfg, params, mesh) -> float:
 
     if mesh is not None:
         params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
-    updater = Updater(cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=2),
-                      optax.adam(1e-2), mesh)
+    updater = Updater(
+        cfg,
+        UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=2),
+        optax.adam(1e-2),
+        mesh,
+    )
     tokens = np.random.default_rng(0).integers(1, 300, size=(16, 32)).astype(np.int32)
-    batch = TrajectoryBatch(tokens, np.ones_like(tokens), np.ones((16, 32), np.float32), -np.ones((16, 32), np.float32),
-                            np.linspace(0, 1, 16, dtype=np.float32), group_size=4)
+    batch = TrajectoryBatch(
+        tokens,
+        np.ones_like(tokens),
+        np.ones((16, 32), np.float32),
+        -np.ones((16, 32), np.float32),
+        np.linspace(0, 1, 16, dtype=np.float32),
+        group_size=4,
+    )
     compiled = updater.lower(updater.init_state(params, jax.random.PRNGKey(1)), place_batch(batch, mesh)).compile()
     cost = compiled.cost_analysis()
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]

@@ -11,12 +11,32 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _records(path):
     ok = Trajectory("synthetic/multihop-3", 0, 0, "synthetic/multihop", query="component of project <Falcon-12>")
-    ok.turns = [{"index": 0, "text": '<tool_call>{"name": "bm25_search"}</tool_call>', "stop_reason": "end_of_turn",
-                 "calls": [{"name": "bm25_search", "arguments": {"query": "Falcon-12"}, "doc_ids": ["d7", "d9"], "error": None}]},
-                {"index": 1, "text": "<tool_call>...</tool_call>", "stop_reason": "end_of_turn",
-                 "calls": [{"name": "bm25_search", "arguments": {"query": "KX-4821"}, "doc_ids": ["d2"], "error": None},
-                           {"name": "nope", "arguments": {}, "doc_ids": [], "error": "unknown_tool: unknown tool 'nope'"}]},
-                {"index": 2, "text": "<answer></answer>", "stop_reason": "end_of_turn", "calls": [], "answer_source": "fallback_fusion"}]
+    ok.turns = [
+        {
+            "index": 0,
+            "text": '<tool_call>{"name": "bm25_search"}</tool_call>',
+            "stop_reason": "end_of_turn",
+            "calls": [
+                {"name": "bm25_search", "arguments": {"query": "Falcon-12"}, "doc_ids": ["d7", "d9"], "error": None}
+            ],
+        },
+        {
+            "index": 1,
+            "text": "<tool_call>...</tool_call>",
+            "stop_reason": "end_of_turn",
+            "calls": [
+                {"name": "bm25_search", "arguments": {"query": "KX-4821"}, "doc_ids": ["d2"], "error": None},
+                {"name": "nope", "arguments": {}, "doc_ids": [], "error": "unknown_tool: unknown tool 'nope'"},
+            ],
+        },
+        {
+            "index": 2,
+            "text": "<answer></answer>",
+            "stop_reason": "end_of_turn",
+            "calls": [],
+            "answer_source": "fallback_fusion",
+        },
+    ]
     ok.final_ranking, ok.reward, ok.status, ok.advantage = ["d7", "d2", "d9"], 0.7956, "ok", 0.8123
     ok.grades = {"d7": 1, "d9": 0, "d2": 2}
     failed = Trajectory("synthetic/lookup-1", 0, 1, "synthetic/lookup", query="KX-1 datasheet")
@@ -62,7 +82,9 @@ def test_text_view_shows_grades_and_advantage(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "advantage +0.8123" in out and "advantage not trained on" in out
     assert 'bm25_search({"query": "Falcon-12"}) -> [d7(1), d9(0)]' in out
-    assert "answer (fallback_fusion): [d7(1), d2(2), d9(0)]" in out and "question: component of project <Falcon-12>" in out
+    assert (
+        "answer (fallback_fusion): [d7(1), d2(2), d9(0)]" in out and "question: component of project <Falcon-12>" in out
+    )
 
 
 def test_html_page_has_a_row_per_episode_with_graded_documents(tmp_path):
@@ -78,9 +100,21 @@ def test_html_page_has_a_row_per_episode_with_graded_documents(tmp_path):
     task, turns, reward, advantage, failure = ok["cells"]
     assert "synthetic/multihop-3" in task and "component of project <Falcon-12>" in task  # escaped, then parsed back
     assert reward == "0.7956" and advantage == "+0.8123" and failure == "-"
-    assert "turn 0" in turns and "turn 2" in turns and "unknown_tool" in turns and 'bm25_search({"query": "KX-4821"})' in turns
+    assert (
+        "turn 0" in turns
+        and "turn 2" in turns
+        and "unknown_tool" in turns
+        and 'bm25_search({"query": "KX-4821"})' in turns
+    )
     docs = [(d[2].split()[0], d[0]) for d in ok["docs"]]
-    assert docs == [("d7", "1"), ("d9", "0"), ("d2", "2"), ("d7", "1"), ("d2", "2"), ("d9", "0")]  # 2 searches, then the answer
+    assert docs == [
+        ("d7", "1"),
+        ("d9", "0"),
+        ("d2", "2"),
+        ("d7", "1"),
+        ("d2", "2"),
+        ("d9", "0"),
+    ]  # 2 searches, then the answer
     colour = {grade: style for grade, style, _ in ok["docs"]}
     assert len(set(colour.values())) == 3  # one colour per grade
     assert failed["class"] == "episode failed" and failed["cells"][2] == "-1.0000"

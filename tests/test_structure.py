@@ -25,7 +25,9 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 # "from pkg import sub" imports the submodule pkg.sub when there is one
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
@@ -43,7 +45,7 @@ def find_cycle(graph: dict[str, set[str]]):
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -62,7 +64,13 @@ def find_cycle(graph: dict[str, set[str]]):
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
-    assert {"mtrl_jax.trainer", "mtrl_jax.evaluate", "mtrl_jax.setup", "mtrl_jax.checkpoint", "mtrl_jax.metrics"} <= set(graph)
+    assert {
+        "mtrl_jax.trainer",
+        "mtrl_jax.evaluate",
+        "mtrl_jax.setup",
+        "mtrl_jax.checkpoint",
+        "mtrl_jax.metrics",
+    } <= set(graph)
     assert "mtrl_jax.trainer" not in graph["mtrl_jax.evaluate"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
@@ -83,16 +91,24 @@ LAYERS = (
 
 
 def layer_of(module: str) -> int:
-    matches = [(len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
-               if module == prefix or module.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), i)
+        for i, names in enumerate(LAYERS)
+        for prefix in names
+        if module == prefix or module.startswith(prefix + ".")
+    ]
     assert matches, f"{module} is in no layer of tests/test_structure.py: place it"
     return max(matches)[1]
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
     graph = import_graph()
-    upward = [f"{a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})" for a, edges in sorted(graph.items())
-              for b in sorted(edges) if layer_of(b) > layer_of(a)]
+    upward = [
+        f"{a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})"
+        for a, edges in sorted(graph.items())
+        for b in sorted(edges)
+        if layer_of(b) > layer_of(a)
+    ]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 

@@ -6,13 +6,23 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-MODULES = sorted(f"{folder}.{p.stem}" for folder in ("tools", "benchmarks") for p in (REPO / folder).glob("*.py")
-                 if p.stem not in ("__init__", "common"))
+MODULES = sorted(
+    f"{folder}.{p.stem}"
+    for folder in ("tools", "benchmarks")
+    for p in (REPO / folder).glob("*.py")
+    if p.stem not in ("__init__", "common")
+)
 
 
 def test_the_tools_and_benchmarks_are_the_expected_ones():
-    assert {"tools.fetch_models", "tools.serve_tools", "tools.show_trajectories", "tools.fault_drill",
-            "tools.plan_scale", "benchmarks.bench_learning"} <= set(MODULES)
+    assert {
+        "tools.fetch_models",
+        "tools.serve_tools",
+        "tools.show_trajectories",
+        "tools.fault_drill",
+        "tools.plan_scale",
+        "benchmarks.bench_learning",
+    } <= set(MODULES)
     assert not (REPO / "scripts").exists()
 
 

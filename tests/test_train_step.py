@@ -10,11 +10,26 @@ from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
-from mtrl_jax.rl.train_step import (UpdateConfig, Updater, by_length, length_buckets, minibatch_order, score,
-                                     switch_on_length)
+from mtrl_jax.rl.train_step import (
+    UpdateConfig,
+    Updater,
+    by_length,
+    length_buckets,
+    minibatch_order,
+    score,
+    switch_on_length,
+)
 
-CFG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=8, tie_word_embeddings=True)
+CFG = ModelConfig(
+    vocab_size=48,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    tie_word_embeddings=True,
+)
 
 
 def test_minibatch_order_is_a_fresh_permutation_per_epoch():
@@ -57,7 +72,9 @@ def test_switch_on_length_takes_the_smallest_bucket_that_holds_every_row():
     for lengths, expected in (((2, 3, 1), 4), ((2, 7, 1), 8), ((9, 3, 1), 10), ((0, 0, 0), 4)):
         for row, n in enumerate(lengths):
             mask[row] = np.arange(10) < n
-        assert int(switch_on_length((4, 8, 10), jnp.asarray(mask), lambda length, x: x + length, jnp.int32(0))) == expected
+        assert (
+            int(switch_on_length((4, 8, 10), jnp.asarray(mask), lambda length, x: x + length, jnp.int32(0))) == expected
+        )
 
 
 @pytest.mark.slow
@@ -67,8 +84,9 @@ def test_scoring_returns_every_row_in_place():
     batch = _batch([0.0] * 8, T=12, seed=3)
     logprobs = lambda p, t, a: sequence_logprobs(CFG, p, t, a, chunk_size=7)  # noqa: E731
     groups = by_length(jnp.asarray(batch.attention_mask), jnp.asarray([3, 1, 0, 2, 7, 5, 4, 6]), 2)
-    got = jax.jit(lambda p, q: score(logprobs, [p, q], ["old", "ref"], batch.tokens, batch.attention_mask,
-                                     (4, 8, 12), groups))(params, other)
+    got = jax.jit(
+        lambda p, q: score(logprobs, [p, q], ["old", "ref"], batch.tokens, batch.attention_mask, (4, 8, 12), groups)
+    )(params, other)
     for name, p in (("old", params), ("ref", other)):
         want = np.asarray(logprobs(p, batch.tokens, batch.attention_mask)[0]) * batch.attention_mask
         np.testing.assert_allclose(np.asarray(got[name]), want, atol=2e-5)
@@ -101,8 +119,14 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
     ref_params = {"none": None, "same": params, "other": init_params(CFG, jax.random.PRNGKey(2))}[reference]
     tx = optax.sgd(0.5)
     # length_bucket 4: micro-batches are cut to 8 or 10 columns (their rows are 6..10 tokens long)
-    cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.0 if ref_params is None else 0.2), update_epochs=2,
-                       mini_batches=2, micro_batches=2, logprob_chunk=7, length_bucket=4)
+    cfg = UpdateConfig(
+        objective=ObjectiveConfig(loss="ppo", kl_coef=0.0 if ref_params is None else 0.2),
+        update_epochs=2,
+        mini_batches=2,
+        micro_batches=2,
+        logprob_chunk=7,
+        length_bucket=4,
+    )
     updater = Updater(CFG, cfg, tx)
     state = updater.init_state(params, jax.random.PRNGKey(9))
     new_state, metrics = updater.update(state, batch, ref_params)
@@ -112,22 +136,39 @@ def test_update_equals_one_optimizer_step_per_minibatch_in_the_drawn_order(refer
     rng, order_key = jax.random.split(state.rng)
     order = np.asarray(minibatch_order(order_key, 8, 2, 2))
     old_logp, _ = sequence_logprobs(CFG, params, batch.tokens, batch.attention_mask, chunk_size=7)
-    ref_logp = None if ref_params is None else sequence_logprobs(CFG, ref_params, batch.tokens, batch.attention_mask, chunk_size=7)[0]
+    ref_logp = (
+        None
+        if ref_params is None
+        else sequence_logprobs(CFG, ref_params, batch.tokens, batch.attention_mask, chunk_size=7)[0]
+    )
     adv = jnp.asarray(_grpo(rewards, 2), jnp.float32)
-    tokens, attention, loss_mask, behav = map(jnp.asarray, (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp))
+    tokens, attention, loss_mask, behav = map(
+        jnp.asarray, (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp)
+    )
 
     @jax.jit  # one program for the four steps (same shapes), compiled once instead of dispatched op by op
     def sgd_step(p, rows):
         def loss(p):
             logp, entropy = sequence_logprobs(CFG, p, tokens[rows], attention[rows], chunk_size=7)
-            return objective(cfg.objective, logp, old_logp[rows], adv[rows], loss_mask[rows], entropy=entropy,
-                             behav_logp=behav[rows], ref_logp=None if ref_logp is None else ref_logp[rows])[0]
+            return objective(
+                cfg.objective,
+                logp,
+                old_logp[rows],
+                adv[rows],
+                loss_mask[rows],
+                entropy=entropy,
+                behav_logp=behav[rows],
+                ref_logp=None if ref_logp is None else ref_logp[rows],
+            )[0]
+
         return jax.tree.map(lambda w, g: w - 0.5 * g, p, jax.grad(loss)(p))
 
     ref = params
     for rows in order:
         ref = sgd_step(ref, jnp.asarray(rows))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), new_state.params, ref)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6), new_state.params, ref
+    )
     assert int(new_state.step) == 4 and int(metrics["skipped_steps"]) == 0
     np.testing.assert_array_equal(new_state.rng, rng)  # the state's key advances: the next update draws a new order
     assert float(metrics["first_minibatch_ratio_max_dev"]) == 0.0  # the first mini-batch's own forward
@@ -144,8 +185,14 @@ def test_leaving_out_the_lengths_no_row_has_changes_nothing():
     params = init_params(CFG, jax.random.PRNGKey(1))
     results = []
     for shortest in (0, 6):
-        cfg = UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.2), mini_batches=2, micro_batches=2,
-                           logprob_chunk=7, length_bucket=4, min_length=shortest)
+        cfg = UpdateConfig(
+            objective=ObjectiveConfig(loss="ppo", kl_coef=0.2),
+            mini_batches=2,
+            micro_batches=2,
+            logprob_chunk=7,
+            length_bucket=4,
+            min_length=shortest,
+        )
         updater = Updater(CFG, cfg, optax.adam(0.1))
         results.append(updater.update(updater.init_state(params, jax.random.PRNGKey(9)), batch, params))
     (a, metrics_a), (b, metrics_b) = results
@@ -164,7 +211,9 @@ def test_a_non_finite_step_is_skipped_and_counted():
     new_state, metrics = updater.update(state, batch)
     assert int(metrics["skipped_steps"]) == 1 and int(new_state.step) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, params)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.opt_state, opt_state)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.opt_state, opt_state
+    )
 
 
 @pytest.mark.slow
@@ -173,8 +222,11 @@ def test_warm_compiles_the_update_in_the_background():
 
     params = init_params(CFG, jax.random.PRNGKey(1))
     # length_bucket 16: one length branch per program (this test is about when it is compiled, not its branches)
-    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), micro_batches=2, length_bucket=16),
-                      optax.sgd(0.1))
+    updater = Updater(
+        CFG,
+        UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), micro_batches=2, length_bucket=16),
+        optax.sgd(0.1),
+    )
     state = updater.init_state(params, jax.random.PRNGKey(0))
     batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
     updater.warm(state, 8, 10, 2, with_reference=True).join()
@@ -186,7 +238,9 @@ def test_warm_compiles_the_update_in_the_background():
     # warm() compiled ahead of time and ran nothing; the program gives what the plain jitted update gives
     plain = Updater(updater.model_cfg, updater.config, updater.tx)
     want, _ = plain.update(plain.init_state(params, jax.random.PRNGKey(0)), batch, params)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, want.params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, want.params
+    )
     # a batch of another shape than the warmed one is compiled on first use (jit)
     longer = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7], T=14)
     mark = CompileCounter.mark()
@@ -219,13 +273,17 @@ def test_all_equal_rewards_leave_the_parameters_exactly_as_they_were():
     own, so with every advantage 0 the gradient is exactly 0, and Adam (which would blow float noise
     of ~1 ulp between two compiled programs up to a full-size step) leaves every parameter untouched."""
     params = init_params(CFG, jax.random.PRNGKey(1))
-    updater = Updater(CFG, UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), mini_batches=2, micro_batches=2,
-                                        length_bucket=4), optax.adam(1e-2))
+    updater = Updater(
+        CFG,
+        UpdateConfig(
+            objective=ObjectiveConfig(loss="ppo", kl_coef=0.1), mini_batches=2, micro_batches=2, length_bucket=4
+        ),
+        optax.adam(1e-2),
+    )
     state = updater.init_state(params, jax.random.PRNGKey(0))
     new_state, metrics = updater.update(state, _batch([0.5] * 8), params)
     assert float(metrics["first_minibatch_ratio_max_dev"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, params)
-
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
@@ -250,6 +308,8 @@ def test_a_row_without_gradient_stays_in_the_baseline_but_its_tokens_do_not_coun
     a, adv_a = update([1.0, 0.0, 0.5, -1.0], 5)
     b, _ = update([1.0, 0.0, 0.5, -1.0], 6)
     c, adv_c = update([1.0, 0.0, 0.5, 0.2], 5)
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)  # its tokens: no effect
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b
+    )  # its tokens: no effect
     assert not np.allclose(adv_a[:3], adv_c[:3])  # its reward: in the baseline
     assert max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c))) > 1e-6

@@ -16,29 +16,42 @@ import pytest
 from envs import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SMALL = ["--config.global_batch_size=2", "--config.rollout.group_size=2", "--config.rollout_max_concurrency=4",
-         "--config.warmup.steps=2", "--config.checkpoint.every_steps=1",
-         "--config.rollout.asynchronous=False", "--config.rollout.tool_workers=0", "--config.rollout.max_staleness=0",
-         "--config.log.progress=False", "--config.model.tiny_layers=1", "--config.rl.mini_batches=1",
-         "--config.rollout.max_tokens_per_turn=24", "--config.rollout.decode_chunk=24",
-         # small batches: one micro-batch, one length branch (a quick compile)
-         "--config.rl.micro_batches=1", "--config.rl.length_bucket=512",
-         # as many evaluation episodes as a step's (2 x 2): the evaluation runs on the step's programs, not
-         # programs of its own (2-3 s less per run)
-         "--config.data.max_eval_tasks=4",
-         # a few steps need few of the extend / decode shapes: compiled as met (test_greedy_rollouts... precompiles)
-         "--config.rollout.precompile=False",
-         # the warm-up's shared-prompt step is another program per shape to compile (13 s more in a 150-step
-         # warm-up); test_greedy_rollouts_train_without_nan runs it, tests/test_warmup.py checks it
-         "--config.warmup.share_prefix=False",
-         # the demonstrations of the training questions only, not 3 rewritten copies too (4x fewer to render)
-         "--config.warmup.augment=0"]
+SMALL = [
+    "--config.global_batch_size=2",
+    "--config.rollout.group_size=2",
+    "--config.rollout_max_concurrency=4",
+    "--config.warmup.steps=2",
+    "--config.checkpoint.every_steps=1",
+    "--config.rollout.asynchronous=False",
+    "--config.rollout.tool_workers=0",
+    "--config.rollout.max_staleness=0",
+    "--config.log.progress=False",
+    "--config.model.tiny_layers=1",
+    "--config.rl.mini_batches=1",
+    "--config.rollout.max_tokens_per_turn=24",
+    "--config.rollout.decode_chunk=24",
+    # small batches: one micro-batch, one length branch (a quick compile)
+    "--config.rl.micro_batches=1",
+    "--config.rl.length_bucket=512",
+    # as many evaluation episodes as a step's (2 x 2): the evaluation runs on the step's programs, not
+    # programs of its own (2-3 s less per run)
+    "--config.data.max_eval_tasks=4",
+    # a few steps need few of the extend / decode shapes: compiled as met (test_greedy_rollouts... precompiles)
+    "--config.rollout.precompile=False",
+    # the warm-up's shared-prompt step is another program per shape to compile (13 s more in a 150-step
+    # warm-up); test_greedy_rollouts_train_without_nan runs it, tests/test_warmup.py checks it
+    "--config.warmup.share_prefix=False",
+    # the demonstrations of the training questions only, not 3 rewritten copies too (4x fewer to render)
+    "--config.warmup.augment=0",
+]
 
 
 def _run(workdir, *extra, config="configs/default.py", wait=True):
     cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *SMALL, *extra]
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -46,7 +59,9 @@ def _run(workdir, *extra, config="configs/default.py", wait=True):
 
 def _final_state(workdir, step):
     manager = ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "checkpoints")
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore()))
+    restored = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore())
+    )
     return restored["state"], restored["record"]
 
 
@@ -88,7 +103,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     # the default's KL reference is written once and restored on resume (else the runs would differ)
     assert (tmp_path / "killed" / "reference").is_dir()
     # observability: scalars, trajectory records, the viewer
-    records = [json.loads(line) for line in (tmp_path / "straight/trajectories/step_000002.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "straight/trajectories/step_000002.jsonl").read_text().splitlines()
+    ]
     assert len(records) == 4 and all(r["param_versions"] == [1] for r in records if r["num_sampled_tokens"])
     assert {"text", "calls", "stop_reason", "latency_s"} <= set(records[0]["turns"][0])
     for r in records:  # each record: its task type and question, its advantage, the grades of what it was shown
@@ -99,17 +116,34 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     killed_steps = [json.loads(line)["step"] for line in (tmp_path / "killed/metrics.jsonl").read_text().splitlines()]
     assert killed_steps == [1, 2, 3], killed_steps
     metrics = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
-    for key in ("reward/mean", "reward/ndcg@10", "episodes/failure_rate", "episodes/mean_turns", "train/loss",
-                "train/clipfrac", "train/approx_kl", "train/kl", "train/entropy", "train/grad_norm", "staleness/mean",
-                "throughput/trained_tokens_per_s", "throughput/sampled_tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "reward/ndcg@10",
+        "episodes/failure_rate",
+        "episodes/mean_turns",
+        "train/loss",
+        "train/clipfrac",
+        "train/approx_kl",
+        "train/kl",
+        "train/entropy",
+        "train/grad_norm",
+        "staleness/mean",
+        "throughput/trained_tokens_per_s",
+        "throughput/sampled_tokens_per_s",
+    ):
         assert key in metrics[-1], key
     assert list((tmp_path / "straight/tensorboard").glob("events.out.tfevents.*"))
     kinds = {r["type"] for r in records}
     for kind in kinds:  # per-type training diagnostics of the same step
         for name in ("reward_mean", "ndcg@10", "failure_rate", "mean_turns", "all_equal_groups", "adv_abs_mean"):
             assert f"by_type/{kind}/{name}" in metrics[1], (kind, name)
-    view = subprocess.run([sys.executable, "-m", "tools.show_trajectories", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    view = subprocess.run(
+        [sys.executable, "-m", "tools.show_trajectories", "--workdir", str(tmp_path / "straight"), "--limit", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert view.returncode == 0 and "assistant:" in view.stdout and "advantage" in view.stdout
 
 
@@ -124,15 +158,25 @@ def test_overrides_and_typos():
     config = default.get_config()
     config.rl.loss, config.rl.advantage, config.rl.loss_options = "cispo", "rloo", "clip_high=3.0"
     ucfg = update_config(config)
-    assert ucfg.objective.loss == "cispo" and ucfg.advantage == "rloo" and dict(ucfg.objective.loss_options) == {"clip_high": 3.0}
+    assert (
+        ucfg.objective.loss == "cispo"
+        and ucfg.advantage == "rloo"
+        and dict(ucfg.objective.loss_options) == {"clip_high": 3.0}
+    )
     config.rl.advantage, config.rl.advantage_options = "grpo_passk", "k=4"
     assert dict(update_config(config).advantage_options) == {"k": 4}
     # an option the selected function does not take is an error listing the ones it takes
     config.rl.loss_options = "clip_dual=3.0"
-    with pytest.raises(ValueError, match=r"rl.loss_options: loss 'cispo' does not take \['clip_dual'\]; it takes clip_low=1.0, clip_high=4.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"rl.loss_options: loss 'cispo' does not take \['clip_dual'\]; it takes clip_low=1.0, clip_high=4.0",
+    ):
         update_config(config)
     config.rl.loss_options, config.rl.advantage_options = "", "scale=batch"
-    with pytest.raises(ValueError, match=r"rl.advantage_options: advantage estimator 'grpo_passk' does not take \['scale'\]; it takes k=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"rl.advantage_options: advantage estimator 'grpo_passk' does not take \['scale'\]; it takes k=2",
+    ):
         update_config(config)
     config.rl.advantage_options = "k"
     with pytest.raises(ValueError, match="rl.advantage_options: 'k' must be NAME=VALUE"):
@@ -152,16 +196,36 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     texts = [line for line in (shared_data / "cranfield/corpus.jsonl").read_text().splitlines()[:300]]
     tokenizer = train_tokenizer(texts + ['<tool_call>{"name": "bm25_search"}</tool_call>'] * 10, 512)
     ckpt = tmp_path / "qwen3_tiny"
-    cfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, model_type="qwen3", qk_norm=True, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        model_type="qwen3",
+        qk_norm=True,
+        tie_word_embeddings=True,
+    )
     save_hf_checkpoint(Transformer(cfg), init_params(cfg, jax.random.PRNGKey(0)), ckpt)
     tokenizer.save(str(ckpt / "tokenizer.json"))
-    out = _run(tmp_path / "run", f"--config.model.checkpoint={ckpt}", "--config.model.param_dtype=float32",
-               "--config.model.dtype=float32", "--config.model.mesh_shape=(1,1,1)",
-               f"--config.data.folders={shared_data / 'cranfield'}", "--config.search.cache_dir=",
-               "--config.max_steps=2", "--config.rollout.max_len=1024", "--config.rl.micro_batches=1",
-               "--config.rl.length_bucket=1024", "--config.eval.every_steps=0", "--config.model.remat=False",
-               config="configs/qwen3_search.py")
+    out = _run(
+        tmp_path / "run",
+        f"--config.model.checkpoint={ckpt}",
+        "--config.model.param_dtype=float32",
+        "--config.model.dtype=float32",
+        "--config.model.mesh_shape=(1,1,1)",
+        f"--config.data.folders={shared_data / 'cranfield'}",
+        "--config.search.cache_dir=",
+        "--config.max_steps=2",
+        "--config.rollout.max_len=1024",
+        "--config.rl.micro_batches=1",
+        "--config.rl.length_bucket=1024",
+        "--config.eval.every_steps=0",
+        "--config.model.remat=False",
+        config="configs/qwen3_search.py",
+    )
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]
     assert "[after RL] validation" in out
@@ -187,8 +251,12 @@ def test_run_record_round_trips_and_garbled_records_name_the_checkpoint(tmp_path
     from mtrl_jax.data.schedule import DataCursor
     from mtrl_jax.rl.train_step import TrainState
 
-    state = TrainState({"w": jnp.ones((2, 2))}, {"mu": jnp.zeros((2, 2))}, jnp.asarray(3, jnp.int32), jax.random.PRNGKey(5))
-    record = RunRecord(rl_step=4, cursor=DataCursor(1, 6, 0), dropped_groups=2, max_staleness_seen=1, before={"ndcg@10": 0.5})
+    state = TrainState(
+        {"w": jnp.ones((2, 2))}, {"mu": jnp.zeros((2, 2))}, jnp.asarray(3, jnp.int32), jax.random.PRNGKey(5)
+    )
+    record = RunRecord(
+        rl_step=4, cursor=DataCursor(1, 6, 0), dropped_groups=2, max_staleness_seen=1, before={"ndcg@10": 0.5}
+    )
     checkpoints = Checkpoints(tmp_path)
     checkpoints.save(state, record)
     restored_state, restored_record = checkpoints.restore(state)
@@ -239,8 +307,12 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
 def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     """SIGTERM during the warm-up writes its progress (no checkpoint yet), and the next run continues
     it; SIGTERM during RL writes a checkpoint of the step reached."""
-    args = ["--config.warmup.steps=100", "--config.warmup.batch_size=4", "--config.max_steps=40",
-            "--config.checkpoint.every_steps=100"]
+    args = [
+        "--config.warmup.steps=100",
+        "--config.warmup.batch_size=4",
+        "--config.max_steps=40",
+        "--config.checkpoint.every_steps=100",
+    ]
     proc = _run(tmp_path, *args, wait=False)
     for line in proc.stdout:  # wait until the warm-up is under way
         if "warm-up step 50/100" in line:
@@ -272,8 +344,13 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
 @pytest.mark.slow
 def test_greedy_rollouts_train_without_nan(tmp_path):
     # with every extend / decode shape compiled in the background (the default), stopped at the end
-    out = _run(tmp_path, "--config.rollout.temperature=0", "--config.max_steps=2", "--config.rollout.precompile=True",
-               "--config.warmup.share_prefix=True")  # and the default's warm-up, the shared prompt computed once per step
+    out = _run(
+        tmp_path,
+        "--config.rollout.temperature=0",
+        "--config.max_steps=2",
+        "--config.rollout.precompile=True",
+        "--config.warmup.share_prefix=True",
+    )  # and the default's warm-up, the shared prompt computed once per step
     assert re.search(r"warm-up: the [1-9]\d* tokens every demonstration opens with are computed once per step", out)
     state, _ = _final_state(tmp_path, 2)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
@@ -315,11 +392,25 @@ def test_compilation_cache_dir_turns_on_the_persistent_cache(tmp_path):
         f"assert use_compilation_cache(config) == {str(cache)!r}\n"
         "def total(x):\n"
         "    return jnp.tanh(x @ x).sum()\n"
-        "print(float(jax.jit(total)(jnp.ones((64, 64)))))\n")
-    env = {k: v for k, v in subprocess_env().items() if not k.startswith("JAX_PERSISTENT_CACHE") and k != "JAX_COMPILATION_CACHE_DIR"}
+        "print(float(jax.jit(total)(jnp.ones((64, 64)))))\n"
+    )
+    env = {
+        k: v
+        for k, v in subprocess_env().items()
+        if not k.startswith("JAX_PERSISTENT_CACHE") and k != "JAX_COMPILATION_CACHE_DIR"
+    }
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # this tiny program compiles in well under 0.2 s
-    runs = [subprocess.run([sys.executable, "-c", program], cwd=REPO, env=dict(env, JAX_LOG_COMPILES="1"), capture_output=True,
-                           text=True, timeout=120) for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", program],
+            cwd=REPO,
+            env=dict(env, JAX_LOG_COMPILES="1"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for _ in range(2)
+    ]
     for run in runs:
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert any(p.name.startswith("jit_total-") for p in cache.iterdir()), sorted(p.name for p in cache.iterdir())
@@ -336,7 +427,9 @@ def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_
     config = default.get_config()
     config.compilation_cache_dir = ""
     components = setup.build(config, tmp_path)
-    prompts = [len(components.chat.prompt(components.env.reset(t)[1])) for t in components.train_tasks + components.val_tasks]
+    prompts = [
+        len(components.chat.prompt(components.env.reset(t)[1])) for t in components.train_tasks + components.val_tasks
+    ]
     shortest = components.updater.config.min_length
     assert 0 < shortest <= min(prompts) < shortest + 10
     assert components.collector.min_prompt == shortest

@@ -12,8 +12,16 @@ from mtrl_jax.data.collection import Collection, Document, Task
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.rollout.interfaces import EpisodeDriver
-from mtrl_jax.warmup import (augment_question, augmented_tasks, demonstration_tokens, parse_tool_weights, parse_top_k_weights,
-                             question_vocabulary, result_identifiers, teacher_turns)
+from mtrl_jax.warmup import (
+    augment_question,
+    augmented_tasks,
+    demonstration_tokens,
+    parse_tool_weights,
+    parse_top_k_weights,
+    question_vocabulary,
+    result_identifiers,
+    teacher_turns,
+)
 
 TOOLS = ["bm25_search", "vector_search"]
 
@@ -22,8 +30,13 @@ def test_parse_tool_weights():
     np.testing.assert_allclose(parse_tool_weights("", TOOLS), [0.5, 0.5])
     np.testing.assert_allclose(parse_tool_weights("vector_search:3,bm25_search:1", TOOLS), [0.25, 0.75])
     np.testing.assert_allclose(parse_tool_weights("vector_search:1", TOOLS), [0.0, 1.0])
-    for bad, message in [("web_search:1", "web_search:1"), ("bm25_search", ":WEIGHT"), ("bm25_search:x", "not a number"),
-                         ("bm25_search:-1", ">= 0"), ("bm25_search:0", "weight 0")]:
+    for bad, message in [
+        ("web_search:1", "web_search:1"),
+        ("bm25_search", ":WEIGHT"),
+        ("bm25_search:x", "not a number"),
+        ("bm25_search:-1", ">= 0"),
+        ("bm25_search:0", "weight 0"),
+    ]:
         with pytest.raises(ValueError, match=f"warmup.teacher_tools.*{re.escape(message)}"):
             parse_tool_weights(bad, TOOLS)
 
@@ -33,8 +46,14 @@ def test_parse_top_k_weights():
     values, probs = parse_top_k_weights("10:1, 1:3,2:1", 20)
     assert values == [1, 2, 10]
     np.testing.assert_allclose(probs, [0.6, 0.2, 0.2])
-    for bad, message in [("0:1", "K (an integer in 1..20):WEIGHT"), ("21:1", "'21:1'"), ("x:1", "'x:1'"), ("3", ":WEIGHT"),
-                         ("3:-1", ">= 0"), ("3:0", "weight 0")]:
+    for bad, message in [
+        ("0:1", "K (an integer in 1..20):WEIGHT"),
+        ("21:1", "'21:1'"),
+        ("x:1", "'x:1'"),
+        ("3", ":WEIGHT"),
+        ("3:-1", ">= 0"),
+        ("3:0", "weight 0"),
+    ]:
         with pytest.raises(ValueError, match=f"warmup.teacher_top_k.*{re.escape(message)}"):
             parse_top_k_weights(bad, 20)
 
@@ -79,14 +98,20 @@ def test_augment_question_scrambles_identifiers_and_swaps_words():
     assert all(v.qrels == {} and v.query.endswith(" datasheet") and v.query != "KX-4821 datasheet" for v in variants)
     assert augmented_tasks(Task("c/describe-0", "stainless tap for naval use", {}, "c"), 2, rng) == []
 
-    tasks = [Task("c/describe-0", "stainless tap for naval use", {}, "c"), Task("c/lookup-0", "KX-4821 datasheet", {}, "c")]
+    tasks = [
+        Task("c/describe-0", "stainless tap for naval use", {}, "c"),
+        Task("c/lookup-0", "KX-4821 datasheet", {}, "c"),
+    ]
     vocabulary = question_vocabulary(tasks)
     assert vocabulary == ["datasheet", "for", "naval", "stainless", "tap", "use"]
     outs = [augment_question("stainless tap for naval use", rng, vocabulary).split(" ") for _ in range(400)]
     assert all(len(o) == 5 and set(o) <= set(vocabulary) for o in outs)
     swapped = np.mean([a != b for o in outs for a, b in zip(o, "stainless tap for naval use".split(" "))])
     assert abs(swapped - 0.5 * 5 / 6) < 0.05  # half the words redrawn, one draw in six gives the same word
-    assert all(o[0] == "stainless" for o in (augment_question("stainless KX-1", rng, vocabulary, 0.0).split(" ") for _ in range(20)))
+    assert all(
+        o[0] == "stainless"
+        for o in (augment_question("stainless KX-1", rng, vocabulary, 0.0).split(" ") for _ in range(20))
+    )
     variants = augmented_tasks(tasks[0], 3, rng, vocabulary)
     assert len(variants) == 3 and all(set(v.query.split(" ")) <= set(vocabulary) for v in variants)
 
@@ -111,12 +136,19 @@ def test_tokenizer_has_the_tool_tags_as_single_tokens():
 def test_demonstration_masks_exactly_the_teacher_turns():
     docs = [Document(f"d{i}", f"title {i}", f"text about KX-48{i:02d} pumps") for i in range(20)]
     task = Task("c/lookup-0", "KX-4805 datasheet", {"d5": 2}, "c")
-    env = make_environment(Collection("c", docs, [task]), SearchSettings(tools=("bm25_search",), top_k=2),
-                           SearchEnvConfig(tool_prompt="compact"))
-    texts = [d.text for d in docs] + ['<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x"}}\n</tool_call>',
-                                      "<answer></answer>"] * 20
+    env = make_environment(
+        Collection("c", docs, [task]),
+        SearchSettings(tools=("bm25_search",), top_k=2),
+        SearchEnvConfig(tool_prompt="compact"),
+    )
+    texts = [d.text for d in docs] + [
+        '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x"}}\n</tool_call>',
+        "<answer></answer>",
+    ] * 20
     chat = ChatFormat(train_tokenizer(texts, 400))
-    tokens, mask = demonstration_tokens(EpisodeDriver(env, chat, 4096), task, teacher_turns(np.random.default_rng(0), ["bm25_search"]))
+    tokens, mask = demonstration_tokens(
+        EpisodeDriver(env, chat, 4096), task, teacher_turns(np.random.default_rng(0), ["bm25_search"])
+    )
     assert len(tokens) == len(mask)
     runs, start = [], None
     for i, m in enumerate(mask + [0]):
@@ -131,27 +163,41 @@ def test_demonstration_masks_exactly_the_teacher_turns():
 
 
 def test_result_identifiers_are_the_shown_words_with_a_digit_not_in_the_question():
-    output = ("bm25_search results for 'component of project Falcon-12':\n"
-              "[1] d0007 | Project Falcon-12 | Key component: part KX-4821. Project Falcon-12 is a marine...\n"
-              "[2] d0123 | Project Falcon-45 | Key component: part BQ-1002, delivered...")
+    output = (
+        "bm25_search results for 'component of project Falcon-12':\n"
+        "[1] d0007 | Project Falcon-12 | Key component: part KX-4821. Project Falcon-12 is a marine...\n"
+        "[2] d0123 | Project Falcon-45 | Key component: part BQ-1002, delivered..."
+    )
     assert result_identifiers(output, "component of project Falcon-12") == ["KX-4821", "Falcon-45", "BQ-1002"]
     assert result_identifiers("vector_search found no documents for 'x'.", "x") == []
 
 
 def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
-    tool_output = "bm25_search results for 'q':\n[1] d1 | Project A-1 | part KX-4821.\n[2] d2 | Project B-2 | part QQ-1111."
+    tool_output = (
+        "bm25_search results for 'q':\n[1] d1 | Project A-1 | part KX-4821.\n[2] d2 | Project B-2 | part QQ-1111."
+    )
     hops, queries = 0, set()
     for i in range(2000):
         policy = teacher_turns(np.random.default_rng(i), TOOLS, None, hop=0.3)
         first = policy([{"role": "user", "content": "component of project A-1"}])
-        assert json.loads(first.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"] == "component of project A-1"
-        messages = [{"role": "user", "content": "component of project A-1"}, {"role": "assistant", "content": first},
-                    {"role": "tool", "content": tool_output}]
+        assert (
+            json.loads(first.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"]
+            == "component of project A-1"
+        )
+        messages = [
+            {"role": "user", "content": "component of project A-1"},
+            {"role": "assistant", "content": first},
+            {"role": "tool", "content": tool_output},
+        ]
         second = policy(messages)
         if second.startswith("<tool_call>"):
             hops += 1
-            queries.add(json.loads(second.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"])
-            third = policy(messages + [{"role": "assistant", "content": second}, {"role": "tool", "content": tool_output}])
+            queries.add(
+                json.loads(second.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"]
+            )
+            third = policy(
+                messages + [{"role": "assistant", "content": second}, {"role": "tool", "content": tool_output}]
+            )
             assert third == "<answer></answer>"  # at most one hop
         else:
             assert second == "<answer></answer>" and not policy.hops
@@ -159,8 +205,16 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
     assert queries == {"KX-4821", "B-2", "QQ-1111"}  # any shown identifier, at random; never the question's
     # no identifier shown: no hop
     policy = next(p for p in (teacher_turns(np.random.default_rng(i), TOOLS, hop=1.0) for i in range(10)) if p.hops)
-    assert policy([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
-                   {"role": "tool", "content": "bm25_search found no documents for 'q'."}]) == "<answer></answer>"
+    assert (
+        policy(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "x"},
+                {"role": "tool", "content": "bm25_search found no documents for 'q'."},
+            ]
+        )
+        == "<answer></answer>"
+    )
 
 
 def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
@@ -173,8 +227,11 @@ def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
 def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
     docs = [Document(f"d{i}", f"part KX-48{i:02d}", f"KX-48{i:02d} pumps for " + "water " * 30) for i in range(20)]
     task = Task("c/lookup-0", "pumps", {"d5": 2}, "c")
-    env = make_environment(Collection("c", docs, [task]), SearchSettings(tools=("bm25_search",), top_k=5, max_doc_chars=200),
-                           SearchEnvConfig(tool_prompt="compact"))
+    env = make_environment(
+        Collection("c", docs, [task]),
+        SearchSettings(tools=("bm25_search",), top_k=5, max_doc_chars=200),
+        SearchEnvConfig(tool_prompt="compact"),
+    )
     chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5, 400))
     policy = teacher_turns(np.random.default_rng(0), ["bm25_search"], hop=1.0)
     driver = EpisodeDriver(env, chat, 4096)
@@ -186,12 +243,15 @@ def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
 
 
 # the assistant turns each step's view holds: 1 = cut after the first turn, 2 = after the second, 3 = whole
-@pytest.mark.parametrize("full_every,two_turn_every,expected", [
-    (8, 2, [1, 2, 1, 2, 1, 2, 1, 3, 1, 2, 1, 2, 1, 2, 1, 3]),  # the default
-    (8, 4, [1, 2, 1, 1, 1, 2, 1, 3, 1, 2, 1, 1, 1, 2, 1, 3]),
-    (3, 0, [1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1]),
-    (4, 1, [2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "full_every,two_turn_every,expected",
+    [
+        (8, 2, [1, 2, 1, 2, 1, 2, 1, 3, 1, 2, 1, 2, 1, 2, 1, 3]),  # the default
+        (8, 4, [1, 2, 1, 1, 1, 2, 1, 3, 1, 2, 1, 1, 1, 2, 1, 3]),
+        (3, 0, [1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1, 1, 3, 1]),
+        (4, 1, [2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3]),
+    ],
+)
 def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_every, two_turn_every, expected):
     from mtrl_jax import warmup
     from mtrl_jax.model import ModelConfig
@@ -203,16 +263,35 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
             mask = np.asarray(loss_mask)
             seen.append(max(warmup.assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0
+
         return step
 
     monkeypatch.setattr(warmup, "warmup_step", recording_step)
     monkeypatch.setattr(warmup, "on_mesh", lambda tree, mesh: tree)
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                      head_dim=8, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     # prompt, call, results, a second call (the hop), results, the answer: three assistant turns
     demo = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1])
-    done = warmup.supervised_warmup(cfg, {"w": np.zeros(1)}, [demo] * 4, steps=16, batch_size=2, learning_rate=0.1,
-                                    log=None, full_every=full_every, two_turn_every=two_turn_every, share_prefix=False)
+    done = warmup.supervised_warmup(
+        cfg,
+        {"w": np.zeros(1)},
+        [demo] * 4,
+        steps=16,
+        batch_size=2,
+        learning_rate=0.1,
+        log=None,
+        full_every=full_every,
+        two_turn_every=two_turn_every,
+        share_prefix=False,
+    )
     assert done.step == 16 and seen == expected
 
 
@@ -223,8 +302,16 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.warmup import supervised_warmup
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     rng = np.random.default_rng(0)
     demos = []
     for i in range(40):  # prompt, a first turn to learn (7, 8, 9), a long or short tool block, a last turn (5)
@@ -245,15 +332,25 @@ def test_a_stopped_warmup_continues_exactly():
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.warmup import supervised_warmup
 
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                      head_dim=8, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     rng = np.random.default_rng(1)
     demos = [(list(rng.integers(3, 30, size=12)), [0] * 4 + [1] * 8) for _ in range(10)]
     common = dict(steps=12, batch_size=4, learning_rate=1e-2, log=None, full_every=3, full_bucket=16)
     done = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
     # stopped at step 5 (SIGTERM) and continued from its progress: exactly the same run
     calls = iter(range(1000))
-    stopped = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 5, **common)
+    stopped = supervised_warmup(
+        cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 5, **common
+    )
     assert stopped.step == 5 and len(stopped.losses) == 5
     resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
     assert resumed.step == 12 and resumed.losses == done.losses
@@ -278,21 +375,37 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.warmup import common_prefix, supervised_warmup
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     rng = np.random.default_rng(0)
     system = list(rng.integers(10, 60, size=12))
     demos = []
     for i in range(24):  # the shared prompt, a question, a first turn, a tool block of two lengths, a last turn
         question = list(rng.integers(10, 60, size=3 + i % 3))
         block = list(rng.integers(10, 60, size=40 if i % 4 == 0 else 6))
-        demos.append((system + question + [7, 8, 9] + block + [5], [0] * (12 + len(question)) + [1] * 3 + [0] * len(block) + [1]))
+        demos.append(
+            (system + question + [7, 8, 9] + block + [5], [0] * (12 + len(question)) + [1] * 3 + [0] * len(block) + [1])
+        )
     assert common_prefix(demos) == system  # what the shared path computes once
-    common = dict(steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=64)  # one whole-row shape
-    runs = [supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
-            for share in (True, False)]
+    common = dict(
+        steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=64
+    )  # one whole-row shape
+    runs = [
+        supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
+        for share in (True, False)
+    ]
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5), runs[0].params, runs[1].params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5), runs[0].params, runs[1].params
+    )
 
 
 def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
@@ -301,18 +414,52 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
     from mtrl_jax.setup import WarmupSettings
     from mtrl_jax.warmup import assistant_turns, turn_end, demonstrations
 
-    docs = [Document(f"d{i}", f"Project P-{i}", f'Key component: part "KX-48{i:02d}". Project P-{i} pumps') for i in range(20)]
+    docs = [
+        Document(f"d{i}", f"Project P-{i}", f'Key component: part "KX-48{i:02d}". Project P-{i} pumps')
+        for i in range(20)
+    ]
     tasks = [Task(f"c/multihop-{i}", f"component of project P-{i}", {f"d{i}": 1}, "c") for i in range(6)]
-    env = make_environment(Collection("c", docs, tasks), SearchSettings(tools=("bm25_search",), top_k=2),
-                           SearchEnvConfig(tool_prompt="compact"))
-    chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5 + [
-        '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x", "top_k": 2}}\n</tool_call>', "<answer></answer>"] * 20, 400))
+    env = make_environment(
+        Collection("c", docs, tasks),
+        SearchSettings(tools=("bm25_search",), top_k=2),
+        SearchEnvConfig(tool_prompt="compact"),
+    )
+    chat = ChatFormat(
+        train_tokenizer(
+            [d.text for d in docs] * 5
+            + [
+                '<tool_call>\n{"name": "bm25_search", "arguments": {"query": "x", "top_k": 2}}\n</tool_call>',
+                "<answer></answer>",
+            ]
+            * 20,
+            400,
+        )
+    )
 
     def demos(drills):
-        settings = WarmupSettings(steps=1, batch_size=1, learning_rate=0.0, augment=0, tools=("bm25_search",), tool_probs=(1.0,),
-                                  top_ks=(2,), top_k_probs=(1.0,), hop=0.0, hop_tool_probs=(1.0,), hop_drills=drills)
-        return demonstrations(types.SimpleNamespace(warmup=settings, run=types.SimpleNamespace(seed=0), env=env, chat=chat,
-                                                    collector=types.SimpleNamespace(max_len=4096), train_tasks=tasks))
+        settings = WarmupSettings(
+            steps=1,
+            batch_size=1,
+            learning_rate=0.0,
+            augment=0,
+            tools=("bm25_search",),
+            tool_probs=(1.0,),
+            top_ks=(2,),
+            top_k_probs=(1.0,),
+            hop=0.0,
+            hop_tool_probs=(1.0,),
+            hop_drills=drills,
+        )
+        return demonstrations(
+            types.SimpleNamespace(
+                warmup=settings,
+                run=types.SimpleNamespace(seed=0),
+                env=env,
+                chat=chat,
+                collector=types.SimpleNamespace(max_len=4096),
+                train_tasks=tasks,
+            )
+        )
 
     plain = demos(0)
     assert len(plain) == 6 and all(assistant_turns(m) == 2 for _, m in plain)  # the teacher never hops on its own
@@ -321,10 +468,14 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
     for tokens, mask in drilled:
         if assistant_turns(mask) == 2:
             continue
-        second = next(i for i in range(turn_end(mask, 1), len(mask)) if tokens[i] == chat.tokenizer.token_to_id("<tool_call>"))
+        second = next(
+            i for i in range(turn_end(mask, 1), len(mask)) if tokens[i] == chat.tokenizer.token_to_id("<tool_call>")
+        )
         assert mask[second] == 0  # the decision to hop carries no loss ...
-        hop = chat.decode(tokens[second:turn_end(mask, 2)])
-        assert all(mask[second + 1:turn_end(mask, 2)]) and re.search(r'"query": "(KX-48\d\d|P-\d+)"', hop)  # ... its copy does
+        hop = chat.decode(tokens[second : turn_end(mask, 2)])
+        assert all(mask[second + 1 : turn_end(mask, 2)]) and re.search(
+            r'"query": "(KX-48\d\d|P-\d+)"', hop
+        )  # ... its copy does
         assert chat.decode([t for t, m in zip(tokens, mask) if m]).count("<answer></answer>") == 1
 
 
@@ -351,7 +502,7 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
             if assistant_turns(mask) == 3:  # the hop's query is an identifier the first results showed
                 text = components.chat.decode(tokens)
                 first, second = list(re.finditer(r'"query": "([^"]*)"', text))[:2]
-                assert second.group(1) in text[first.end():second.start()], second.group(1)
+                assert second.group(1) in text[first.end() : second.start()], second.group(1)
     assert shares["single"] == 0.0
     assert 0.45 < shares["default"] < 0.85, shares  # at most (0.5 + 2) / 3: some show no identifier
 

@@ -25,28 +25,56 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # dense bf16 peak TFLOP/s by (a substring of) jax's device_kind, case-insensitive; first match wins
-PEAK_TFLOPS = [("h200", 989.0), ("h100", 989.0), ("gh200", 989.0), ("a100", 312.0), ("l40s", 362.0), ("a10g", 125.0),
-               ("l4", 121.0), ("tpu v5p", 459.0), ("tpu v5 lite", 197.0), ("tpu v5e", 197.0), ("tpu v6", 918.0),
-               ("tpu v4", 275.0)]
+PEAK_TFLOPS = [
+    ("h200", 989.0),
+    ("h100", 989.0),
+    ("gh200", 989.0),
+    ("a100", 312.0),
+    ("l40s", 362.0),
+    ("a10g", 125.0),
+    ("l4", 121.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5 lite", 197.0),
+    ("tpu v5e", 197.0),
+    ("tpu v6", 918.0),
+    ("tpu v4", 275.0),
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="", help="an HF checkpoint directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--model", default="qwen3-0.6b", help="shape of the random policy: configs/models/<name>.json or a path")
-    p.add_argument("--steps", type=int, default=4, help="RL steps (the first one compiles and is left out of the medians)")
+    p.add_argument(
+        "--checkpoint", default="", help="an HF checkpoint directory (config.json, safetensors, tokenizer.json)"
+    )
+    p.add_argument(
+        "--model", default="qwen3-0.6b", help="shape of the random policy: configs/models/<name>.json or a path"
+    )
+    p.add_argument(
+        "--steps", type=int, default=4, help="RL steps (the first one compiles and is left out of the medians)"
+    )
     p.add_argument("--prompts", type=int, default=16, help="global_batch_size")
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--slots", type=int, default=128, help="rollout_max_concurrency")
     p.add_argument("--max_tokens_per_turn", type=int, default=256)
-    p.add_argument("--max_len", type=int, default=2048, help="context tokens per episode (rollout.max_len); the update "
-                   "compiles one length branch per 512 of them")
-    p.add_argument("--precompile", type=int, default=1, choices=(0, 1),
-                   help="1: compile every sampler shape in the background (rollout.precompile); 0: as met")
+    p.add_argument(
+        "--max_len",
+        type=int,
+        default=2048,
+        help="context tokens per episode (rollout.max_len); the update compiles one length branch per 512 of them",
+    )
+    p.add_argument(
+        "--precompile",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="1: compile every sampler shape in the background (rollout.precompile); 0: as met",
+    )
     p.add_argument("--micro_batches", type=int, default=4, help="rl.micro_batches (gradient accumulation)")
     p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor; -1 takes the remaining devices")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
-    p.add_argument("--peak_tflops", type=float, default=0.0, help="bf16 peak per device (default: from the device kind)")
+    p.add_argument(
+        "--peak_tflops", type=float, default=0.0, help="bf16 peak per device (default: from the device kind)"
+    )
     p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
     return p.parse_args(argv)
 
@@ -107,7 +135,11 @@ def main(argv=None):
     if args.checkpoint:
         config.model.checkpoint = args.checkpoint
     else:
-        path = pathlib.Path(args.model) if args.model.endswith(".json") else REPO / "configs" / "models" / f"{args.model}.json"
+        path = (
+            pathlib.Path(args.model)
+            if args.model.endswith(".json")
+            else REPO / "configs" / "models" / f"{args.model}.json"
+        )
         config.model.checkpoint = str(random_checkpoint(config, path, workdir / f"random-{path.stem}"))
     config.lock()
 
@@ -137,7 +169,12 @@ def main(argv=None):
         print(f"  MFU: no bf16 peak known for {kind!r}; pass --peak_tflops")
     print(f"  peak device memory {memory:.2f} GiB" if memory else "  peak device memory: not reported by this backend")
     print(f"  validation nDCG@10 before/after: {summary['before']['ndcg@10']:.4f} / {summary['after']['ndcg@10']:.4f}")
-    return {"sampled_tokens_per_s": sampled, "trained_tokens_per_s": trained, "peak_memory_gib": memory, "params": n_params}
+    return {
+        "sampled_tokens_per_s": sampled,
+        "trained_tokens_per_s": trained,
+        "peak_memory_gib": memory,
+        "params": n_params,
+    }
 
 
 if __name__ == "__main__":

@@ -34,8 +34,11 @@ def baselines(folder: pathlib.Path, minimum: int, tfidf_dim: int) -> dict:
 
     collection = load_beir(folder)
     _, held_out = split(collection.tasks, 0.05, minimum=minimum)  # data.validation_fraction's default, as in the runs
-    results = evaluate_retrieval(dataclasses.replace(collection, tasks=held_out), ("bm25", "dense", "fusion"),
-                                 SearchSettings(tfidf_dim=tfidf_dim))
+    results = evaluate_retrieval(
+        dataclasses.replace(collection, tasks=held_out),
+        ("bm25", "dense", "fusion"),
+        SearchSettings(tfidf_dim=tfidf_dim),
+    )
     return {"queries": len(held_out), **{tool: r["ndcg@10"] for tool, r in results.items()}}
 
 
@@ -64,25 +67,42 @@ def main(argv=None) -> None:
     for model in [m for m in args.models.split(",") if m]:
         directory = args.models_dir / model
         if not (directory / "fetch.json").exists():
-            sys.exit(f"eval_base_models.py: {directory} not fetched (tools/fetch_models.py --model {model} --out {directory})")
+            sys.exit(
+                f"eval_base_models.py: {directory} not fetched (tools/fetch_models.py --model {model} --out "
+                f"{directory})"
+            )
         for c in collections:
             if c in results.get(model, {}):
                 continue  # done in an earlier run: resumable
             out = args.out / model / c
             start = time.perf_counter()
-            cmd = [sys.executable, "-m", "experiments.evaluate", "--config=configs/real_cpu.py", f"--out={out}",
-                   f"--config.model.checkpoint={directory}", f"--config.data.folders={args.data / c}",
-                   f"--config.data.validation_min={args.queries}", "--config.global_batch_size=1",  # no training here
-                   *[f"--config.{kv}" for kv in args.set]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "experiments.evaluate",
+                "--config=configs/real_cpu.py",
+                f"--out={out}",
+                f"--config.model.checkpoint={directory}",
+                f"--config.data.folders={args.data / c}",
+                f"--config.data.validation_min={args.queries}",
+                "--config.global_batch_size=1",  # no training here
+                *[f"--config.{kv}" for kv in args.set],
+            ]
             subprocess.run(cmd, cwd=REPO, check=True)
             metrics = json.loads((out / "eval.json").read_text())[c]
             metrics["wall_s"] = time.perf_counter() - start
             results.setdefault(model, {})[c] = metrics
             results_file.write_text(json.dumps(results, indent=2))
-            print(f"{model} {c}: nDCG@10 {metrics['ndcg@10']:.4f}, failure rate {metrics['failure_rate']:.3f} "
-                  f"({metrics['wall_s']:.0f} s)", flush=True)
-    lines = ["| collection | model / baseline | queries | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |",
-             "|---|---|---|---|---|---|---|"]
+            print(
+                f"{model} {c}: nDCG@10 {metrics['ndcg@10']:.4f}, failure rate {metrics['failure_rate']:.3f} "
+                f"({metrics['wall_s']:.0f} s)",
+                flush=True,
+            )
+    lines = [
+        "| collection | model / baseline | queries | nDCG@10 | failure rate (by reason) | mean turns | tool "
+        "calls / episode |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in collections:
         scores = dict(results["baselines"][c])
         queries = scores.pop("queries", args.queries)
@@ -92,8 +112,10 @@ def main(argv=None) -> None:
             m = results[model][c]
             reasons = ", ".join(f"{r} {v:.2f}" for r, v in m["failure_rate_by_reason"].items())
             tools = ", ".join(f"{t} {v:.2f}" for t, v in m["tool_calls_per_episode"].items()) or "0"
-            lines.append(f"| {c} | {model} | {m['queries']} | {m['ndcg@10']:.4f} | {m['failure_rate']:.2f}"
-                         f"{' (' + reasons + ')' if reasons else ''} | {m['mean_turns']:.2f} | {tools} |")
+            lines.append(
+                f"| {c} | {model} | {m['queries']} | {m['ndcg@10']:.4f} | {m['failure_rate']:.2f}"
+                f"{' (' + reasons + ')' if reasons else ''} | {m['mean_turns']:.2f} | {tools} |"
+            )
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

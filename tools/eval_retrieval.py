@@ -27,7 +27,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="synthetic collection seed")
     parser.add_argument("--tools", default="bm25,dense,fusion")
     parser.add_argument("--encoder", default="tfidf", help="tfidf | minilm | a sentence-transformers directory")
-    parser.add_argument("--tfidf-dim", type=int, default=None, help="TF-IDF+SVD dimensions (default 128; 32 for --synthetic)")
+    parser.add_argument(
+        "--tfidf-dim", type=int, default=None, help="TF-IDF+SVD dimensions (default 128; 32 for --synthetic)"
+    )
     parser.add_argument("--index", default="flat", help="faiss index: flat | ivf | hnsw")
     parser.add_argument("--cache-dir", default=None, help="where corpus embeddings are cached")
     parser.add_argument("--json", default=None, help="write the metrics here")

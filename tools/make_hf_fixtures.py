@@ -34,18 +34,48 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 VOCAB = 256
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
 
 def decoders() -> dict:
     """``{fixture: (transformers config class, its arguments, max shard size or None)}``."""
     return {
         "qwen2": (transformers.Qwen2Config, dict(COMMON, tie_word_embeddings=False, rope_theta=10000.0), None),
-        "qwen3_tied": (transformers.Qwen3Config, dict(COMMON, head_dim=16, tie_word_embeddings=True, rope_theta=1e6), None),
-        "qwen3_untied": (transformers.Qwen3Config, dict(COMMON, head_dim=8, tie_word_embeddings=False, rope_theta=1e6), "60KB"),
-        "llama": (transformers.LlamaConfig, dict(COMMON, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}), "60KB"),
+        "qwen3_tied": (
+            transformers.Qwen3Config,
+            dict(COMMON, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
+            None,
+        ),
+        "qwen3_untied": (
+            transformers.Qwen3Config,
+            dict(COMMON, head_dim=8, tie_word_embeddings=False, rope_theta=1e6),
+            "60KB",
+        ),
+        "llama": (
+            transformers.LlamaConfig,
+            dict(
+                COMMON,
+                tie_word_embeddings=False,
+                rope_theta=500000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+            "60KB",
+        ),
     }
 
 
@@ -101,29 +131,53 @@ def write_bert():
 
     out = FIXTURES / "bert_tiny"
     out.mkdir(parents=True, exist_ok=True)
-    words = ("the a of and to in is for on with what which how why search query document result vector "
-             "lexical dense sparse retrieval ranking model agent tool answer paper claim protein cell").split()
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + list("abcdefghijklmnopqrstuvwxyz0123456789")
+    words = (
+        "the a of and to in is for on with what which how why search query document result vector "
+        "lexical dense sparse retrieval ranking model agent tool answer paper claim protein cell"
+    ).split()
+    vocab = (
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        + words
+        + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+        + list("abcdefghijklmnopqrstuvwxyz0123456789")
+    )
     vocab_map = {w: i for i, w in enumerate(vocab)}
     tok = Tokenizer(models.WordPiece(vocab_map, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab_map["[CLS]"]), ("[SEP]", vocab_map["[SEP]"])])
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab_map["[CLS]"]), ("[SEP]", vocab_map["[SEP]"])]
+    )
     tok.save(str(out / "tokenizer.json"))
-    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
+    config = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+    )
     torch.manual_seed(7)
     model = transformers.BertModel(config, add_pooling_layer=False).eval()
     randomise(model, 7)
     model.save_pretrained(out, safe_serialization=True)
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    sentences = ["What protein binds the cell?", "lexical search with a dense vector model",
-                 "a", "The agent ranks every document for the query and answers with the tool result xyz99"]
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+            ]
+        )
+    )
+    sentences = [
+        "What protein binds the cell?",
+        "lexical search with a dense vector model",
+        "a",
+        "The agent ranks every document for the query and answers with the tool result xyz99",
+    ]
     enc = [tok.encode(s) for s in sentences]
     length = min(32, max(len(e.ids) for e in enc))
     ids = np.zeros((len(enc), length), np.int64)
@@ -135,7 +189,13 @@ def write_bert():
         hidden = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     emb = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
-    np.savez(out / "reference.npz", sentences=np.array(sentences), input_ids=ids, attention_mask=mask, embeddings=emb.astype(np.float32))
+    np.savez(
+        out / "reference.npz",
+        sentences=np.array(sentences),
+        input_ids=ids,
+        attention_mask=mask,
+        embeddings=emb.astype(np.float32),
+    )
     print(f"bert_tiny: {sum(f.stat().st_size for f in out.iterdir()) / 1024:.0f} KiB")
 
 

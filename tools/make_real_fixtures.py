@@ -49,7 +49,8 @@ PROMPTS = (
     "arrives only at the end of the episode, so every token of every turn shares it. Group-relative estimators "
     "such as GRPO compare several episodes of the same question and push up the tokens of those that scored "
     "above their group's mean, while a clipped importance ratio keeps each update close to the policy that "
-    "generated the data.\n\n```python\ndef ndcg(gains):\n    return sum(g / log2(i + 2) for i, g in enumerate(gains))\n```",
+    "generated the data.\n\n```python\ndef ndcg(gains):\n    return sum(g / log2(i + 2) for i, g in "
+    "enumerate(gains))\n```",
 )
 
 
@@ -59,7 +60,9 @@ def environment(directory: os.PathLike):
     chat = TemplateChat.from_checkpoint(directory)
     collection = make_synthetic_collection(seed=0, num_parts=60, num_projects=20, queries_per_type=4)
     tool_prompt = "template" if chat.renders_tools else "schemas"
-    env = make_environment(collection, SearchSettings(tfidf_dim=32, top_k=3), SearchEnvConfig(max_turns=4, tool_prompt=tool_prompt))
+    env = make_environment(
+        collection, SearchSettings(tfidf_dim=32, top_k=3), SearchEnvConfig(max_turns=4, tool_prompt=tool_prompt)
+    )
     env.collection = collection
     return env, chat
 
@@ -75,12 +78,16 @@ def greedy_tasks(env) -> list:
 def scripted_episode(env, chat) -> EpisodeRun:
     """Three assistant turns: a BM25 call, two calls in one turn, the answer."""
     task = env.collection.tasks[0]
-    turns = iter([
-        render_tool_call("bm25_search", {"query": task.query}),
-        "Searching both ways.\n" + render_tool_call("vector_search", {"query": task.query}) + "\n"
-        + render_tool_call("bm25_search", {"query": "part 7"}),
-        "Done.\n" + render_answer([d.doc_id for d in env.collection.documents[:2]]),
-    ])
+    turns = iter(
+        [
+            render_tool_call("bm25_search", {"query": task.query}),
+            "Searching both ways.\n"
+            + render_tool_call("vector_search", {"query": task.query})
+            + "\n"
+            + render_tool_call("bm25_search", {"query": "part 7"}),
+            "Done.\n" + render_answer([d.doc_id for d in env.collection.documents[:2]]),
+        ]
+    )
     return run_scripted(EpisodeDriver(env, chat, 1 << 20), task, lambda messages: next(turns))
 
 
@@ -96,7 +103,7 @@ class ReplayEnvironment(Environment):
             raise ValueError("a recorded episode needs at least one assistant turn")
 
     def reset(self, task):
-        return Episode(task), [dict(m) for m in self.messages[:self.assistant_at[0]]]
+        return Episode(task), [dict(m) for m in self.messages[: self.assistant_at[0]]]
 
     def step(self, episode, assistant_text, hit_token_limit=False):
         at = self.assistant_at[len(episode.turns)]
@@ -105,7 +112,7 @@ class ReplayEnvironment(Environment):
         if at == self.assistant_at[-1]:
             episode.status, episode.reward, episode.final_ranking = "ok", 0.0, []
             return StepResult([], True, turn)
-        following = self.messages[at + 1:self.assistant_at[len(episode.turns)]]
+        following = self.messages[at + 1 : self.assistant_at[len(episode.turns)]]
         return StepResult([dict(m) for m in following], False, turn)
 
 
@@ -146,7 +153,9 @@ def main(argv=None) -> None:
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0].numpy()
             rng = np.random.default_rng(i)
-            subset = np.union1d(rng.choice(logits.shape[1], 256, replace=False), np.argsort(-logits, axis=1)[:, :8].ravel())
+            subset = np.union1d(
+                rng.choice(logits.shape[1], 256, replace=False), np.argsort(-logits, axis=1)[:, :8].ravel()
+            )
             out[f"prompt{i}_ids"] = np.asarray(ids, np.int32)
             out[f"prompt{i}_vocab"] = subset.astype(np.int32)
             out[f"prompt{i}_logits"] = logits[:, subset].astype(np.float32)
@@ -156,15 +165,23 @@ def main(argv=None) -> None:
             _, messages = env.reset(task)
             prompt = hf_apply(tokenizer, messages, tools, add_generation_prompt=True)
             with torch.no_grad():
-                generated = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                           max_new_tokens=GREEDY_TOKENS, do_sample=False)
+                generated = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=GREEDY_TOKENS,
+                    do_sample=False,
+                )
             out[f"greedy{i}_prompt"] = np.asarray(prompt, np.int32)
-            out[f"greedy{i}_tokens"] = generated[0, len(prompt):].numpy().astype(np.int32)
+            out[f"greedy{i}_tokens"] = generated[0, len(prompt) :].numpy().astype(np.int32)
             print(f"{name} greedy {i}: {tokenizer.decode(out[f'greedy{i}_tokens'])!r}")
         run = scripted_episode(env, chat)
         out["episode_ids"] = np.asarray(hf_apply(tokenizer, run.messages, tools, add_generation_prompt=False), np.int32)
-        record = {"gguf_sha256": json.loads((directory / "fetch.json").read_text())["gguf_sha256"],
-                  "transformers": transformers.__version__, "torch": torch.__version__, "messages": run.messages}
+        record = {
+            "gguf_sha256": json.loads((directory / "fetch.json").read_text())["gguf_sha256"],
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "messages": run.messages,
+        }
         out["record"] = np.frombuffer(json.dumps(record).encode(), np.uint8)
         np.savez_compressed(FIXTURES / f"{name}.npz", **out)
         print(f"{name}: wrote {FIXTURES / (name + '.npz')}")

@@ -3,7 +3,7 @@ model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing a
 
     python -m tools.plan_scale --model qwen3-8b --devices 8 --mesh 1,8,1 --batch 64 --seq 2048
     python -m tools.plan_scale --model qwen3-32b --devices 64 --mesh 1,16,4 --batch 256 --seq 2048 --target tpu-v5p
-    python -m tools.plan_scale --table    # docs/scale.md's table: every model on 8 GPUs and on a 64-chip v5p slice (v5p-128)
+    python -m tools.plan_scale --table    # docs/scale.md's table: every model on 8 GPUs, on a 64-chip v5p slice
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
@@ -39,10 +39,15 @@ TARGETS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", action="store_true", help="compile TABLE_ROWS for every model and print docs/scale.md's table")
-    p.add_argument("--model",
-                   help=f"one of {sorted(f.stem for f in MODELS.glob('*.json'))}, or a path to an HF config.json")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--table", action="store_true", help="compile TABLE_ROWS for every model and print docs/scale.md's table"
+    )
+    p.add_argument(
+        "--model", help=f"one of {sorted(f.stem for f in MODELS.glob('*.json'))}, or a path to an HF config.json"
+    )
     p.add_argument("--devices", type=int, help="number of devices (fake CPU devices here)")
     p.add_argument("--mesh", help="data,fsdp,tensor (their product is --devices)")
     p.add_argument("--batch", type=int, help="trajectories per optimizer step (rows of the update)")
@@ -71,7 +76,10 @@ def parse_args(argv=None):
     if len(args.mesh_shape) != 3 or any(x < 1 for x in args.mesh_shape):
         p.error(f"--mesh {args.mesh!r}: expected three positive integers data,fsdp,tensor")
     if args.mesh_shape[0] * args.mesh_shape[1] * args.mesh_shape[2] != args.devices:
-        p.error(f"--mesh {args.mesh} has {args.mesh_shape[0] * args.mesh_shape[1] * args.mesh_shape[2]} devices, --devices is {args.devices}")
+        p.error(
+            f"--mesh {args.mesh} has {args.mesh_shape[0] * args.mesh_shape[1] * args.mesh_shape[2]} devices, "
+            f"--devices is {args.devices}"
+        )
     args.slots = args.slots or args.batch
     args.max_len = args.max_len or args.seq
     return args
@@ -83,8 +91,9 @@ def model_config(name: str, args):
     path = pathlib.Path(name) if name.endswith(".json") else MODELS / f"{name}.json"
     if not path.exists():
         raise SystemExit(f"--model {name}: {path} not found; known: {sorted(f.stem for f in MODELS.glob('*.json'))}")
-    return ModelConfig.from_hf(json.loads(path.read_text()), str(path), dtype=args.dtype, param_dtype=args.param_dtype,
-                               remat=not args.no_remat)
+    return ModelConfig.from_hf(
+        json.loads(path.read_text()), str(path), dtype=args.dtype, param_dtype=args.param_dtype, remat=not args.no_remat
+    )
 
 
 def _abstract(tree, shardings):
@@ -95,8 +104,12 @@ def _abstract(tree, shardings):
 
 def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
-    out = {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-           "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes}
+    out = {
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+    }
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
     return out
 
@@ -133,18 +146,35 @@ def compile_update(cfg, mesh, args, flop_count: bool = False):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # Adam's moments keep their parameter's sharding (as the trainer's eager tx.init does); its counter is replicated
     abstract_opt = jax.eval_shape(tx.init, params)
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, jax.tree.map(lambda p: p.sharding, params),
-                                          transform_non_params=lambda _: replicated)
+    opt_shardings = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        jax.tree.map(lambda p: p.sharding, params),
+        transform_non_params=lambda _: replicated,
+    )
     opt_state = _abstract(abstract_opt, opt_shardings)
-    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-                       jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated))
+    state = TrainState(
+        params,
+        opt_state,
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    )
     B, T = args.batch, args.seq
     rows = lambda dtype: jax.ShapeDtypeStruct((B, T), dtype, sharding=batch_sharding(mesh, 2))  # noqa: E731
-    batch = TrajectoryBatch(tokens=rows(jnp.int32), attention_mask=rows(jnp.int32), loss_mask=rows(jnp.float32),
-                            behav_logp=rows(jnp.float32),
-                            reward=jax.ShapeDtypeStruct((B,), jnp.float32, sharding=batch_sharding(mesh, 1)), group_size=8)
-    config = UpdateConfig(objective=ObjectiveConfig(loss="ppo", kl_coef=0.001 if args.kl else 0.0),
-                          micro_batches=1 if flop_count else args.micro_batches, logprob_chunk=B * T if flop_count else 512)
+    batch = TrajectoryBatch(
+        tokens=rows(jnp.int32),
+        attention_mask=rows(jnp.int32),
+        loss_mask=rows(jnp.float32),
+        behav_logp=rows(jnp.float32),
+        reward=jax.ShapeDtypeStruct((B,), jnp.float32, sharding=batch_sharding(mesh, 1)),
+        group_size=8,
+    )
+    config = UpdateConfig(
+        objective=ObjectiveConfig(loss="ppo", kl_coef=0.001 if args.kl else 0.0),
+        micro_batches=1 if flop_count else args.micro_batches,
+        logprob_chunk=B * T if flop_count else 512,
+    )
     return Updater(cfg, config, tx, mesh).lower(state, batch, params if args.kl else None).compile()
 
 
@@ -165,8 +195,16 @@ def compile_decode(cfg, mesh, args, flop_count: bool = False):
     state = _abstract(shapes, state_sharding(mesh))
     S = args.slots
     row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
-    return sampler.lower_decode(params, state, row((S, 2), jnp.uint32), row((S,), jnp.float32), row((S,), jnp.float32),
-                                row((S, 2), jnp.int32), row((S,), jnp.bool_), row((S,), jnp.int32)).compile()
+    return sampler.lower_decode(
+        params,
+        state,
+        row((S, 2), jnp.uint32),
+        row((S,), jnp.float32),
+        row((S,), jnp.float32),
+        row((S, 2), jnp.int32),
+        row((S,), jnp.bool_),
+        row((S,), jnp.int32),
+    ).compile()
 
 
 def plan(compile_for, cfg, mesh, args) -> dict:
@@ -188,15 +226,39 @@ def table() -> str:
     compute, remat, as configs/qwen3_search.py) in a subprocess of its own, and tabulate."""
     import subprocess
 
-    lines = ["| model | devices, mesh (data,fsdp,tensor) | update: rows x tokens (micro) | GiB/device | "
-             "decode: slots x cache | GiB/device | target | update fits | decode fits | update s @40% MFU | "
-             "decode ms/token (HBM-bound) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | devices, mesh (data,fsdp,tensor) | update: rows x tokens (micro) | GiB/device | "
+        "decode: slots x cache | GiB/device | target | update fits | decode fits | update s @40% MFU | "
+        "decode ms/token (HBM-bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     models = sorted((f.stem for f in MODELS.glob("*.json")), key=lambda m: float(m.split("-")[1].rstrip("b")))
     for devices, mesh, rows, micro, slots, targets in TABLE_ROWS:
         for model in models:
-            cmd = [sys.executable, "-m", "tools.plan_scale", "--model", model, "--devices", str(devices), "--mesh", mesh, "--batch", str(rows),
-                   "--seq", str(TABLE_SEQ), "--micro_batches", str(micro), "--slots", str(slots), "--max_len", str(TABLE_CACHE),
-                   "--param_dtype", "bfloat16", "--json"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tools.plan_scale",
+                "--model",
+                model,
+                "--devices",
+                str(devices),
+                "--mesh",
+                mesh,
+                "--batch",
+                str(rows),
+                "--seq",
+                str(TABLE_SEQ),
+                "--micro_batches",
+                str(micro),
+                "--slots",
+                str(slots),
+                "--max_len",
+                str(TABLE_CACHE),
+                "--param_dtype",
+                "bfloat16",
+                "--json",
+            ]
             run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
             if run.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
@@ -208,8 +270,10 @@ def table() -> str:
                 lines.append(
                     f"| {model} ({out['params'] / 1e9:.1f} B) | {devices}, ({mesh}) | {rows} x {TABLE_SEQ} ({micro}) | "
                     f"{u['peak_bytes'] / 2**30:.1f} | {slots} x {TABLE_CACHE} | {d['peak_bytes'] / 2**30:.1f} | "
-                    f"{target} ({memory_gib:.0f} GiB) | {fits(u)} | {fits(d)} | {u['flops'] / (peak * 1e12 * 0.4):.2f} | "
-                    f"{max(d['argument_bytes'] / (bandwidth * 1e12), d['flops'] / (peak * 1e12 * 0.4)) * 1e3:.2f} |")
+                    f"{target} ({memory_gib:.0f} GiB) | {fits(u)} | {fits(d)} | "
+                    f"{u['flops'] / (peak * 1e12 * 0.4):.2f} | "
+                    f"{max(d['argument_bytes'] / (bandwidth * 1e12), d['flops'] / (peak * 1e12 * 0.4)) * 1e3:.2f} |"
+                )
             print(lines[-1], file=sys.stderr, flush=True)
     return "\n".join(lines)
 
@@ -219,7 +283,9 @@ def main(argv=None):
     if args.table:
         print(table())
         return None
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import flax.linen as nn
     import jax
@@ -228,21 +294,40 @@ def main(argv=None):
     from mtrl_jax.model.transformer import abstract_params
 
     if jax.device_count() < args.devices:
-        raise SystemExit(f"JAX sees {jax.device_count()} devices, --devices is {args.devices} (was jax imported before?)")
+        raise SystemExit(
+            f"JAX sees {jax.device_count()} devices, --devices is {args.devices} (was jax imported before?)"
+        )
     cfg = model_config(args.model, args)
     mesh = make_mesh(args.mesh_shape)
     n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(abstract_params(cfg))))
     peak_tflops, memory_gib, bandwidth = TARGETS[args.target]
-    out = {"model": args.model, "params": n_params, "devices": args.devices, "mesh": args.mesh, "batch": args.batch,
-           "seq": args.seq, "micro_batches": args.micro_batches, "slots": args.slots, "max_len": args.max_len,
-           "param_dtype": args.param_dtype, "dtype": args.dtype, "remat": not args.no_remat, "kl": args.kl,
-           "target": args.target, "mfu": args.mfu}
+    out = {
+        "model": args.model,
+        "params": n_params,
+        "devices": args.devices,
+        "mesh": args.mesh,
+        "batch": args.batch,
+        "seq": args.seq,
+        "micro_batches": args.micro_batches,
+        "slots": args.slots,
+        "max_len": args.max_len,
+        "param_dtype": args.param_dtype,
+        "dtype": args.dtype,
+        "remat": not args.no_remat,
+        "kl": args.kl,
+        "target": args.target,
+        "mfu": args.mfu,
+    }
     if args.only != "decode":
         out["update"] = plan(compile_update, cfg, mesh, args)
-        out["update"]["tokens_per_s"] = args.batch * args.seq / out["update"]["seconds"] if out["update"]["seconds"] else 0.0
+        out["update"]["tokens_per_s"] = (
+            args.batch * args.seq / out["update"]["seconds"] if out["update"]["seconds"] else 0.0
+        )
     if args.only != "update":
         decode = plan(compile_decode, cfg, mesh, args)
-        decode["bandwidth_seconds"] = decode["argument_bytes"] / (bandwidth * 1e12)  # every weight and cache byte read once
+        decode["bandwidth_seconds"] = decode["argument_bytes"] / (
+            bandwidth * 1e12
+        )  # every weight and cache byte read once
         out["decode"] = decode
     for name in ("update", "decode"):
         if name in out:
@@ -251,25 +336,39 @@ def main(argv=None):
         print(json.dumps(out))
         return out
     gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
-    print(f"{args.model} ({n_params / 1e9:.2f} B parameters, {args.param_dtype} parameters, {args.dtype} compute, "
-          f"remat {not args.no_remat}) on {args.devices} devices, mesh (data, fsdp, tensor) = ({args.mesh})")
-    print(f"target {args.target}: {peak_tflops:.0f} TFLOP/s bf16 peak, {memory_gib:.1f} GiB, {bandwidth} TB/s; "
-          f"times at {args.mfu:.0%} MFU. CPU-compiled estimates, per device.")
-    for name, what in (("update", f"update step: {args.batch} x {args.seq} tokens, {args.micro_batches} micro-batch(es), Adam"),
-                       ("decode", f"decode step: {args.slots} rows x 1 token, KV cache of {args.max_len}")):
+    print(
+        f"{args.model} ({n_params / 1e9:.2f} B parameters, {args.param_dtype} parameters, {args.dtype} compute, "
+        f"remat {not args.no_remat}) on {args.devices} devices, mesh (data, fsdp, tensor) = ({args.mesh})"
+    )
+    print(
+        f"target {args.target}: {peak_tflops:.0f} TFLOP/s bf16 peak, {memory_gib:.1f} GiB, {bandwidth} TB/s; "
+        f"times at {args.mfu:.0%} MFU. CPU-compiled estimates, per device."
+    )
+    for name, what in (
+        ("update", f"update step: {args.batch} x {args.seq} tokens, {args.micro_batches} micro-batch(es), Adam"),
+        ("decode", f"decode step: {args.slots} rows x 1 token, KV cache of {args.max_len}"),
+    ):
         if name not in out:
             continue
         f = out[name]
         print(f"\n{what}")
-        print(f"  arguments {gib(f['argument_bytes'])}   outputs {gib(f['output_bytes'])}   aliased {gib(f['alias_bytes'])}   "
-              f"temporaries {gib(f['temp_bytes'])}")
-        print(f"  peak      {gib(f['peak_bytes'])}   {'fits' if f['fits'] else 'does NOT fit'} in 90% of {memory_gib:.1f} GiB")
+        print(
+            f"  arguments {gib(f['argument_bytes'])}   outputs {gib(f['output_bytes'])}   aliased "
+            f"{gib(f['alias_bytes'])}   "
+            f"temporaries {gib(f['temp_bytes'])}"
+        )
+        print(
+            f"  peak      {gib(f['peak_bytes'])}   {'fits' if f['fits'] else 'does NOT fit'} in 90% of "
+            f"{memory_gib:.1f} GiB"
+        )
         print(f"  {f['flops'] / 1e12:.2f} TFLOP per device -> {f['seconds'] * 1e3:.1f} ms at {args.mfu:.0%} MFU")
         if name == "update":
             print(f"  {f['tokens_per_s']:,.0f} trained tokens/s on the {args.devices} devices")
         else:
-            print(f"  {f['bandwidth_seconds'] * 1e3:.2f} ms to read the weights and cache once at {bandwidth} TB/s "
-                  f"(decode is bound by this, not by FLOPs)")
+            print(
+                f"  {f['bandwidth_seconds'] * 1e3:.2f} ms to read the weights and cache once at {bandwidth} TB/s "
+                f"(decode is bound by this, not by FLOPs)"
+            )
     return out
 
 

@@ -31,10 +31,14 @@ def main(argv=None):
     tools = {}
     for folder in args.data:
         collection = load_beir(folder)
-        tools[collection.name] = {t.name: t for t in make_tools(collection, SearchSettings(encoder=args.encoder, cache_dir=args.cache_dir))}
+        tools[collection.name] = {
+            t.name: t for t in make_tools(collection, SearchSettings(encoder=args.encoder, cache_dir=args.cache_dir))
+        }
     if args.synthetic:
         collection = make_synthetic_collection()
-        tools[collection.name] = {t.name: t for t in make_tools(collection, SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM))}
+        tools[collection.name] = {
+            t.name: t for t in make_tools(collection, SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM))
+        }
     server = make_server(tools, args.host, args.port, args.max_request_bytes)
     print(f"serving {sorted(tools)} on http://{args.host}:{server.server_address[1]}")
     server.serve_forever()

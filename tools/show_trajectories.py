@@ -35,19 +35,28 @@ def _advantage(record: dict) -> str:
 
 def render(record: dict, max_chars: int) -> str:
     clip = lambda s: s if len(s) <= max_chars else s[:max_chars] + f"... [{len(s) - max_chars} more chars]"  # noqa: E731
-    lines = [f"== {record['task_id']} [{record.get('type', '')}] (group {record['group_id']}, sample {record['sample_index']}) "
-             f"reward {record['reward']:.4f} advantage {_advantage(record)} status {record['status']} turns {record['num_turns']} "
-             f"sampled tokens {record['num_sampled_tokens']} versions {record['param_versions']}"]
+    lines = [
+        f"== {record['task_id']} [{record.get('type', '')}] (group {record['group_id']}, sample "
+        f"{record['sample_index']}) "
+        f"reward {record['reward']:.4f} advantage {_advantage(record)} status {record['status']} turns "
+        f"{record['num_turns']} "
+        f"sampled tokens {record['num_sampled_tokens']} versions {record['param_versions']}"
+    ]
     if record.get("query"):
         lines.append(f"  question: {clip(record['query'])}")
     for turn in record["turns"]:
-        lines.append(f"  -- turn {turn.get('index', '?')} ({turn.get('stop_reason')}, tools {turn.get('latency_s', 0.0) * 1000:.1f} ms)")
+        lines.append(
+            f"  -- turn {turn.get('index', '?')} ({turn.get('stop_reason')}, "
+            f"tools {turn.get('latency_s', 0.0) * 1000:.1f} ms)"
+        )
         lines.append("     assistant: " + clip(turn["text"]).replace("\n", "\n                "))
         for call in turn.get("calls", []):
             if call["error"]:
                 lines.append(f"     tool error: {call['error']}")
             else:
-                lines.append(f"     {call['name']}({json.dumps(call['arguments'])}) -> {_docs_text(record, call['doc_ids'])}")
+                lines.append(
+                    f"     {call['name']}({json.dumps(call['arguments'])}) -> {_docs_text(record, call['doc_ids'])}"
+                )
         if "answer_source" in turn:
             lines.append(f"     answer ({turn['answer_source']}): {_docs_text(record, record['final_ranking'])}")
     if record.get("counters"):
@@ -60,8 +69,10 @@ def _doc_chips(record: dict, doc_ids) -> str:
     for d in doc_ids:
         grade = _grade(record, d)
         colour = GRADE_COLOURS[min(grade, len(GRADE_COLOURS) - 1)] if grade is not None else "#ffffff"
-        chips.append(f'<span class="doc" data-grade="{"" if grade is None else grade}" style="background:{colour}">'
-                     f'{html.escape(d)} <b>{"?" if grade is None else grade}</b></span>')
+        chips.append(
+            f'<span class="doc" data-grade="{"" if grade is None else grade}" style="background:{colour}">'
+            f'{html.escape(d)} <b>{"?" if grade is None else grade}</b></span>'
+        )
     return " ".join(chips) or '<span class="none">no documents</span>'
 
 
@@ -70,36 +81,51 @@ def html_row(record: dict, max_chars: int) -> str:
     turns = []
     for turn in record["turns"]:
         text = turn["text"] if len(turn["text"]) <= max_chars else turn["text"][:max_chars] + "..."
-        parts = [f'<div class="turn"><div class="meta">turn {turn.get("index", "?")} · {e(str(turn.get("stop_reason")))}</div>',
-                 f"<pre>{e(text)}</pre>"]
+        parts = [
+            f'<div class="turn"><div class="meta">turn {turn.get("index", "?")} · '
+            f'{e(str(turn.get("stop_reason")))}</div>',
+            f"<pre>{e(text)}</pre>",
+        ]
         for call in turn.get("calls", []):
             if call["error"]:
                 parts.append(f'<div class="call error">tool error: {e(call["error"])}</div>')
             else:
-                parts.append(f'<div class="call">{e(str(call["name"]))}({e(json.dumps(call["arguments"]))}) → '
-                             f'{_doc_chips(record, call["doc_ids"])}</div>')
+                parts.append(
+                    f'<div class="call">{e(str(call["name"]))}({e(json.dumps(call["arguments"]))}) → '
+                    f'{_doc_chips(record, call["doc_ids"])}</div>'
+                )
         if "answer_source" in turn:
-            parts.append(f'<div class="answer">answer ({e(turn["answer_source"])}): {_doc_chips(record, record["final_ranking"])}</div>')
+            parts.append(
+                f'<div class="answer">answer ({e(turn["answer_source"])}): '
+                f'{_doc_chips(record, record["final_ranking"])}</div>'
+            )
         parts.append("</div>")
         turns.append("".join(parts))
     failure = "" if record["status"] == "ok" else record["status"]
     advantage = _advantage(record)
-    return (f'<tr class="episode{" failed" if failure else ""}">'
-            f'<td class="task">{e(record["task_id"])}<br><small>{e(record.get("type", ""))} · group {record["group_id"]} · '
-            f'sample {record["sample_index"]}</small><div class="query">{e(record.get("query", ""))}</div></td>'
-            f'<td class="turns">{"".join(turns)}</td>'
-            f'<td class="reward">{record["reward"]:.4f}</td><td class="advantage">{e(advantage)}</td>'
-            f'<td class="failure">{e(failure) or "-"}</td></tr>')
+    return (
+        f'<tr class="episode{" failed" if failure else ""}">'
+        f'<td class="task">{e(record["task_id"])}<br><small>{e(record.get("type", ""))} · group {record["group_id"]} · '
+        f'sample {record["sample_index"]}</small><div class="query">{e(record.get("query", ""))}</div></td>'
+        f'<td class="turns">{"".join(turns)}</td>'
+        f'<td class="reward">{record["reward"]:.4f}</td><td class="advantage">{e(advantage)}</td>'
+        f'<td class="failure">{e(failure) or "-"}</td></tr>'
+    )
 
 
 def html_page(records: list, title: str, max_chars: int = 2000) -> str:
-    legend = " ".join(f'<span class="doc" style="background:{c}">grade {i}{"+" if i == len(GRADE_COLOURS) - 1 else ""}</span>'
-                      for i, c in enumerate(GRADE_COLOURS))
+    legend = " ".join(
+        f'<span class="doc" style="background:{c}">grade {i}{"+" if i == len(GRADE_COLOURS) - 1 else ""}</span>'
+        for i, c in enumerate(GRADE_COLOURS)
+    )
     rows = "\n".join(html_row(r, max_chars) for r in records)
     rewards = [r["reward"] for r in records]
     failed = sum(r["status"] != "ok" for r in records)
-    summary = (f"{len(records)} episodes · mean reward {sum(rewards) / max(len(rewards), 1):.4f} · "
-               f"failed {failed}") if records else "no episodes"
+    summary = (
+        (f"{len(records)} episodes · mean reward {sum(rewards) / max(len(rewards), 1):.4f} · failed {failed}")
+        if records
+        else "no episodes"
+    )
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -161,7 +187,7 @@ def main(argv=None):
         sys.exit(f"{path}: not found")
     records = read_records(path, args.task)
     if args.limit:
-        records = records[:args.limit]
+        records = records[: args.limit]
     if args.html:
         pathlib.Path(args.html).write_text(html_page(records, f"trajectories of {path}", max(args.max_chars, 2000)))
         print(f"wrote {args.html} ({len(records)} trajectories from {path})")

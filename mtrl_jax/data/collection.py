@@ -99,7 +99,9 @@ def _lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
             try:
                 yield line_no, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                ) from None
 
 
 def _jsonl(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
@@ -190,12 +192,16 @@ def load_beir(folder: os.PathLike, name: Optional[str] = None) -> Collection:
         if any(g > 0 for g in judged.values()):
             if not text.strip():
                 raise DataError(f"{where}: empty query text")
-            tasks.append(Task(f"{name}/{qid}", text, dict(judged), name, task_type(name, query_type_of(obj, qid, where))))
+            tasks.append(
+                Task(f"{name}/{qid}", text, dict(judged), name, task_type(name, query_type_of(obj, qid, where)))
+            )
     if not seen:
         raise DataError(f"{folder / 'queries.jsonl'}: no queries")
     if not tasks:
-        raise DataError(f"{folder / 'queries.jsonl'}: none of its {len(seen)} queries has a judgment with grade > 0 "
-                        f"in {folder / 'qrels.tsv'}")
+        raise DataError(
+            f"{folder / 'queries.jsonl'}: none of its {len(seen)} queries has a judgment with grade > 0 "
+            f"in {folder / 'qrels.tsv'}"
+        )
     return Collection(name, docs, tasks)
 
 
@@ -231,11 +237,13 @@ def write_tasks(tasks: Iterable[Task], path: os.PathLike) -> None:
             f.write(t.to_json() + "\n")
 
 
-def split(tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtrl-jax",
-          minimum: int = 0) -> tuple[list[Task], list[Task]]:
+def split(
+    tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtrl-jax", minimum: int = 0
+) -> tuple[list[Task], list[Task]]:
     """Deterministic train/validation split by a hash of ``task_id`` (stable when tasks are
     added or reordered); at least one validation task when there are two or more tasks, and at
     least ``minimum`` (all but one of them, when there are fewer: one stays for training)."""
+
     def bucket(t):
         return int(hashlib.sha256(f"{salt}:{t.task_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 

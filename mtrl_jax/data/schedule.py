@@ -58,8 +58,10 @@ class TaskSchedule:
     def batch(self, cursor: DataCursor) -> list:
         """The tasks of the step that starts at ``cursor``."""
         cursor = self._aligned(cursor)
-        order = np.random.default_rng(rng.numpy_seed(cursor.shuffle_seed, "schedule", cursor.epoch)).permutation(len(self.tasks))
-        return [self.tasks[i] for i in order[cursor.index:cursor.index + self.batch_size]]
+        order = np.random.default_rng(rng.numpy_seed(cursor.shuffle_seed, "schedule", cursor.epoch)).permutation(
+            len(self.tasks)
+        )
+        return [self.tasks[i] for i in order[cursor.index : cursor.index + self.batch_size]]
 
     def advance(self, cursor: DataCursor, steps: int = 1) -> DataCursor:
         """The cursor ``steps`` steps after ``cursor``."""

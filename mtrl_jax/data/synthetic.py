@@ -37,16 +37,26 @@ DOMAINS = [
     (["nuclear", "reactor", "atomic"], ["core", "coolant", "rod", "shielding", "isotope"]),
 ]
 COMPONENTS = [
-    ["valve", "tap", "stopcock"], ["pump", "impeller", "compressor"], ["sensor", "detector", "probe"],
-    ["bearing", "bushing", "journal"], ["gasket", "seal", "washer"], ["actuator", "servo", "motor"],
-    ["filter", "strainer", "sieve"], ["cable", "wire", "harness"], ["nozzle", "jet", "spout"],
+    ["valve", "tap", "stopcock"],
+    ["pump", "impeller", "compressor"],
+    ["sensor", "detector", "probe"],
+    ["bearing", "bushing", "journal"],
+    ["gasket", "seal", "washer"],
+    ["actuator", "servo", "motor"],
+    ["filter", "strainer", "sieve"],
+    ["cable", "wire", "harness"],
+    ["nozzle", "jet", "spout"],
     ["bracket", "mount", "clamp"],
 ]
 PROPERTIES = [
-    ["rustproof", "stainless", "anticorrosive"], ["lightweight", "featherweight", "ultralight"],
-    ["heatproof", "fireproof", "thermoresistant"], ["waterproof", "watertight", "submersible"],
-    ["lowcost", "budget", "inexpensive"], ["silent", "quiet", "noiseless"],
-    ["miniature", "compact", "tiny"], ["heavyduty", "rugged", "industrial"],
+    ["rustproof", "stainless", "anticorrosive"],
+    ["lightweight", "featherweight", "ultralight"],
+    ["heatproof", "fireproof", "thermoresistant"],
+    ["waterproof", "watertight", "submersible"],
+    ["lowcost", "budget", "inexpensive"],
+    ["silent", "quiet", "noiseless"],
+    ["miniature", "compact", "tiny"],
+    ["heavyduty", "rugged", "industrial"],
 ]
 SYNTHETIC_TFIDF_DIM = 32  # the vector tool's dimensions on this collection
 
@@ -63,10 +73,17 @@ def _ident(rng, used: set) -> str:
             return ident
 
 
-def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects: int = 400,
-                              queries_per_type: int = 300, synonym_rate: float = 0.3,
-                              num_domains: int = 6, num_components: int = 6, num_properties: int = 5,
-                              name: str = "synthetic") -> Collection:
+def make_synthetic_collection(
+    seed: int = 0,
+    num_parts: int = 1200,
+    num_projects: int = 400,
+    queries_per_type: int = 300,
+    synonym_rate: float = 0.3,
+    num_domains: int = 6,
+    num_components: int = 6,
+    num_properties: int = 5,
+    name: str = "synthetic",
+) -> Collection:
     rng = np.random.default_rng(seed)
     used: set = set()
     docs: list[Document] = []
@@ -80,8 +97,11 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
         syn = lambda words: words[0] if rng.random() >= synonym_rate else words[1 + rng.integers(len(words) - 1)]  # noqa: E731
         comp, prop, domain = syn(COMPONENTS[c]), syn(PROPERTIES[p]), syn(names)
         ctx = rng.choice(context, size=3, replace=False)
-        text = (f"Part \"{ident}\" is a {prop} {comp} for {domain} equipment. It is fitted near the {ctx[0]} and the {ctx[1]}, "
-                f"and is tested for {ctx[2]} conditions at the {LABS[rng.integers(len(LABS))]} lab.")
+        text = (
+            f"Part \"{ident}\" is a {prop} {comp} for {domain} equipment. It is fitted near the {ctx[0]} and "
+            f"the {ctx[1]}, "
+            f"and is tested for {ctx[2]} conditions at the {LABS[rng.integers(len(LABS))]} lab."
+        )
         doc_id = f"d{len(docs):04d}"
         docs.append(Document(doc_id, f"\"{ident}\" {comp}", text))
         parts.append((doc_id, ident, int(d), int(c), int(p)))
@@ -96,8 +116,10 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
         part = int(rng.integers(num_parts))
         _, ident, d, _, _ = parts[part]
         # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead)
-        text = (f"Key component: part \"{ident}\". Project {pname} is a {DOMAINS[d][0][0]} programme, "
-                f"delivered by the {LABS[rng.integers(len(LABS))]} team.")
+        text = (
+            f"Key component: part \"{ident}\". Project {pname} is a {DOMAINS[d][0][0]} programme, "
+            f"delivered by the {LABS[rng.integers(len(LABS))]} team."
+        )
         doc_id = f"d{len(docs):04d}"
         docs.append(Document(doc_id, f"Project {pname}", text))
         projects.append((doc_id, pname, part))
@@ -112,19 +134,27 @@ def make_synthetic_collection(seed: int = 0, num_parts: int = 1200, num_projects
     for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
         doc_id, ident, *_ = parts[part]
         qrels = {doc_id: 2, **{m: 1 for m in mentions.get(ident, [])}}
-        tasks.append(Task(f"{name}/lookup-{i}", f"{ident} {['datasheet', 'details', 'specification'][i % 3]}", qrels, name,
-                          f"{name}/lookup"))
+        tasks.append(
+            Task(
+                f"{name}/lookup-{i}",
+                f"{ident} {['datasheet', 'details', 'specification'][i % 3]}",
+                qrels,
+                name,
+                f"{name}/lookup",
+            )
+        )
     for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
         _, _, d, c, p = parts[part]
         qrels = {}
         for doc_id, _, d2, c2, p2 in parts:
             if d2 == d and c2 == c:
                 qrels[doc_id] = 2 if p2 == p else 1
-        query = f"{PROPERTIES[p][1 + i % 2]} {COMPONENTS[c][1 + (i // 2) % 2]} for {DOMAINS[d][0][1 + (i // 4) % 2]} use"
+        query = (
+            f"{PROPERTIES[p][1 + i % 2]} {COMPONENTS[c][1 + (i // 2) % 2]} for {DOMAINS[d][0][1 + (i // 4) % 2]} use"
+        )
         tasks.append(Task(f"{name}/describe-{i}", query, qrels, name, f"{name}/describe"))
     for i, proj in enumerate(rng.choice(num_projects, size=min(queries_per_type, num_projects), replace=False)):
         doc_id, pname, part = projects[proj]
         qrels = {doc_id: 1, parts[part][0]: 2}
         tasks.append(Task(f"{name}/multihop-{i}", f"component of project {pname}", qrels, name, f"{name}/multihop"))
     return Collection(name, docs, tasks)
-

@@ -5,7 +5,15 @@ import jax.numpy as jnp
 from mtrl_jax.model.config import ModelConfig  # noqa: F401
 from mtrl_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint  # noqa: F401
 from mtrl_jax.model.transformer import (  # noqa: F401
-    KVCache, Transformer, abstract_params, forward, head_kernel, init_cache, init_params, logits_from_hidden)
+    KVCache,
+    Transformer,
+    abstract_params,
+    forward,
+    head_kernel,
+    init_cache,
+    init_params,
+    logits_from_hidden,
+)
 
 
 def compute_logits(model: Transformer, params, tokens, attention_mask=None) -> jnp.ndarray:

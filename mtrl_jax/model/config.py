@@ -58,13 +58,19 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         dtype_from_name(self.dtype)
         dtype_from_name(self.param_dtype)
         if self.attention_impl not in (None, "xla", "cudnn"):
-            raise ValueError(f"attention_impl must be None (chunked causal einsums), 'xla' or 'cudnn', got {self.attention_impl!r}")
+            raise ValueError(
+                f"attention_impl must be None (chunked causal einsums), 'xla' or 'cudnn', got {self.attention_impl!r}"
+            )
         if self.attention_chunk < 1:
             raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
 
@@ -92,7 +98,9 @@ class ModelConfig:
 
         model_type = need("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"{source}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
         if hf.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not supported")
         if hf.get("mlp_bias"):
@@ -109,8 +117,12 @@ class ModelConfig:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         llama3 = None
         if rope_type == "llama3":
-            llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-                      int(scaling["original_max_position_embeddings"]))
+            llama3 = (
+                float(scaling["factor"]),
+                float(scaling["low_freq_factor"]),
+                float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]),
+            )
         elif rope_type not in ("default", None):
             raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
 
@@ -165,6 +177,11 @@ class ModelConfig:
             hf["rope_theta"] = self.rope_theta
         if self.rope_llama3_scaling is not None and "rope_parameters" not in hf:
             f, lo, hi, orig = self.rope_llama3_scaling
-            hf["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
-                                  "high_freq_factor": hi, "original_max_position_embeddings": orig}
+            hf["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": f,
+                "low_freq_factor": lo,
+                "high_freq_factor": hi,
+                "original_max_position_embeddings": orig,
+            }
         return hf

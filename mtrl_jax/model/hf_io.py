@@ -30,8 +30,16 @@ from mtrl_jax.model.transformer import Transformer, abstract_params
 # ----------------------------------------------------------------------------- safetensors
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
@@ -51,8 +59,10 @@ def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: not a safetensors file ({size} bytes; truncated or empty)")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > size - 8 or header_len > 100 * 2**20:
-            raise ValueError(f"{path}: safetensors header of {header_len} bytes does not fit in a file of {size} bytes "
-                             "(truncated or not a safetensors file)")
+            raise ValueError(
+                f"{path}: safetensors header of {header_len} bytes does not fit in a file of {size} bytes "
+                "(truncated or not a safetensors file)"
+            )
         try:
             header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicate_keys(path))
         except (ValueError, RecursionError) as e:
@@ -74,8 +84,10 @@ def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
         dtype = np.dtype(_ST_DTYPES[dtype_name])
         expected = int(np.prod(shape)) * dtype.itemsize
         if not (0 <= start <= end <= data_len) or end - start != expected:
-            raise ValueError(f"{path}: tensor {name!r} needs bytes {start}..{end} ({expected} for shape {shape}) "
-                             f"but the data section has {data_len} (truncated file?)")
+            raise ValueError(
+                f"{path}: tensor {name!r} needs bytes {start}..{end} ({expected} for shape {shape}) "
+                f"but the data section has {data_len} (truncated file?)"
+            )
         tensors[name] = data[start:end].view(dtype).reshape(shape)
     return tensors
 
@@ -87,7 +99,11 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: os.PathLike, metadat
         if array.dtype not in _ST_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be written to safetensors")
         blob = array.tobytes()
-        header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": _ST_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         offset += len(blob)
         blobs.append(blob)
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
@@ -144,8 +160,11 @@ def _proj_in(heads: Callable[[ModelConfig], int]) -> dict:
 
 
 def _bias(heads: Callable[[ModelConfig], int]) -> dict:
-    return dict(hf_shape=lambda c: (heads(c) * c.head_dim,),
-                to_ours=lambda w, c: w.reshape(heads(c), c.head_dim), to_hf=lambda w, c: w.reshape(-1))
+    return dict(
+        hf_shape=lambda c: (heads(c) * c.head_dim,),
+        to_ours=lambda w, c: w.reshape(heads(c), c.head_dim),
+        to_hf=lambda w, c: w.reshape(-1),
+    )
 
 
 _T = dict(to_ours=lambda w, c: w.T, to_hf=lambda w, c: w.T)
@@ -165,9 +184,13 @@ def key_map(cfg: ModelConfig) -> list[Rule]:
         Rule(_P + "self_attn.q_proj.weight", ("layers", "attn", "q_proj"), **_proj_in(_N)),
         Rule(_P + "self_attn.k_proj.weight", ("layers", "attn", "k_proj"), **_proj_in(_K)),
         Rule(_P + "self_attn.v_proj.weight", ("layers", "attn", "v_proj"), **_proj_in(_K)),
-        Rule(_P + "self_attn.o_proj.weight", ("layers", "attn", "o_proj"), hf_shape=lambda c: (D, c.num_heads * H),
-             to_ours=lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
-             to_hf=lambda w, c: w.reshape(-1, c.hidden_size).T),
+        Rule(
+            _P + "self_attn.o_proj.weight",
+            ("layers", "attn", "o_proj"),
+            hf_shape=lambda c: (D, c.num_heads * H),
+            to_ours=lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+            to_hf=lambda w, c: w.reshape(-1, c.hidden_size).T,
+        ),
         Rule(_P + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), lambda c: (F, D), **_T),
         Rule(_P + "mlp.up_proj.weight", ("layers", "mlp", "up_proj"), lambda c: (F, D), **_T),
         Rule(_P + "mlp.down_proj.weight", ("layers", "mlp", "down_proj"), lambda c: (D, F), **_T),
@@ -175,11 +198,15 @@ def key_map(cfg: ModelConfig) -> list[Rule]:
     if not cfg.tie_word_embeddings:
         rules.append(Rule("lm_head.weight", ("lm_head",), lambda c: (V, D), **_T))
     if cfg.qkv_bias:
-        rules += [Rule(_P + f"self_attn.{x}_proj.bias", ("layers", "attn", f"{x}_bias"), **_bias(n))
-                  for x, n in (("q", _N), ("k", _K), ("v", _K))]
+        rules += [
+            Rule(_P + f"self_attn.{x}_proj.bias", ("layers", "attn", f"{x}_bias"), **_bias(n))
+            for x, n in (("q", _N), ("k", _K), ("v", _K))
+        ]
     if cfg.qk_norm:
-        rules += [Rule(_P + f"self_attn.{x}_norm.weight", ("layers", "attn", f"{x}_norm", "scale"), lambda c: (H,))
-                  for x in ("q", "k")]
+        rules += [
+            Rule(_P + f"self_attn.{x}_norm.weight", ("layers", "attn", f"{x}_norm", "scale"), lambda c: (H,))
+            for x in ("q", "k")
+        ]
     return rules
 
 
@@ -211,7 +238,9 @@ def _tensor_sources(path: pathlib.Path) -> dict[str, pathlib.Path]:
             if tensor in sources:
                 raise ValueError(f"tensor {tensor!r} is duplicated: in {sources[tensor].name} and {file.name}")
             if weight_map is not None and weight_map.get(tensor) != name:
-                raise ValueError(f"tensor {tensor!r} is in {file.name} but the index maps it to {weight_map.get(tensor)!r}")
+                raise ValueError(
+                    f"tensor {tensor!r} is in {file.name} but the index maps it to {weight_map.get(tensor)!r}"
+                )
             sources[tensor] = file
     if weight_map is not None:
         for tensor, name in weight_map.items():
@@ -275,8 +304,10 @@ def load_hf_checkpoint(
                 by_rule[r][layer] = tensor
                 break
         else:
-            raise ValueError(f"tensor {tensor!r} in {sources[tensor].name} is not mapped to any parameter of a {cfg.model_type} model"
-                             + (" (tie_word_embeddings is true)" if tensor == "lm_head.weight" else ""))
+            raise ValueError(
+                f"tensor {tensor!r} in {sources[tensor].name} is not mapped to any parameter of a "
+                f"{cfg.model_type} model" + (" (tie_word_embeddings is true)" if tensor == "lm_head.weight" else "")
+            )
 
     np_dtype = np.dtype(dtype_from_name(param_dtype))
     params: dict = {}
@@ -284,7 +315,9 @@ def load_hf_checkpoint(
         count = cfg.num_layers if rule.per_layer else 1
         missing = [rule.hf.format(i=i) for i in range(count) if i not in by_rule[r]]
         if missing:
-            raise ValueError(f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise ValueError(
+                f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         arrays = []
         for i in range(count):
             tensor = by_rule[r][i]
@@ -296,14 +329,18 @@ def load_hf_checkpoint(
             if tuple(w.shape) != expected:
                 raise ValueError(f"tensor {tensor!r} has shape {tuple(w.shape)}, expected {expected}")
             if is_float(w.dtype) and not np.isfinite(w).all():
-                raise ValueError(f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})")
+                raise ValueError(
+                    f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})"
+                )
             arrays.append(rule.to_ours(np.asarray(w).astype(np_dtype), cfg))
         value = np.stack(arrays) if rule.per_layer else arrays[0]
         leaf = boxed
         for key in rule.path:
             leaf = leaf[key]
         if tuple(value.shape) != tuple(leaf.value.shape):
-            raise AssertionError(f"key map bug: {rule.hf} -> {rule.path} gives {value.shape}, model wants {leaf.value.shape}")
+            raise AssertionError(
+                f"key map bug: {rule.hf} -> {rule.path} gives {value.shape}, model wants {leaf.value.shape}"
+            )
         if shardings is not None:
             sharding = shardings
             for key in rule.path:
@@ -317,7 +354,9 @@ def load_hf_checkpoint(
 # ----------------------------------------------------------------------------- export
 
 
-def save_hf_checkpoint(model: Transformer, params: dict, path: os.PathLike, max_shard_bytes: Optional[int] = None) -> None:
+def save_hf_checkpoint(
+    model: Transformer, params: dict, path: os.PathLike, max_shard_bytes: Optional[int] = None
+) -> None:
     """Write ``config.json`` and safetensors (sharded with an index when ``max_shard_bytes`` is set)."""
     cfg = model.config
     path = pathlib.Path(path)
@@ -353,4 +392,5 @@ def save_hf_checkpoint(model: Transformer, params: dict, path: os.PathLike, max_
         weight_map.update({name: file for name in shard})
     total = sum(t.nbytes for t in tensors.values())
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    )

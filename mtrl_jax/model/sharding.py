@@ -135,7 +135,9 @@ def place_batch(tree, mesh: Optional[Mesh]):
         if x.ndim == 0:
             return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
         if x.shape[0] % shards:
-            raise ValueError(f"a batch of {x.shape[0]} rows does not split over the mesh's data x fsdp = {shards} devices")
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows does not split over the mesh's data x fsdp = {shards} devices"
+            )
         return jax.device_put(x, batch_sharding(mesh, x.ndim))
 
     return jax.tree.map(put, tree)

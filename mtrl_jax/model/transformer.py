@@ -57,20 +57,22 @@ class KVCache(NamedTuple):
         """Each layer's first ``window`` slots as its own array: a decode loop's working copy (unstacked
         parameters only). Attention then reads a layer's keys and values where they are, where a window
         of the stacked cache is a slice that XLA's CPU backend copies at every token."""
-        return KVCache(tuple(self.k[i, :, :, :window] for i in range(self.k.shape[0])),
-                       tuple(self.v[i, :, :, :window] for i in range(self.v.shape[0])))
+        return KVCache(
+            tuple(self.k[i, :, :, :window] for i in range(self.k.shape[0])),
+            tuple(self.v[i, :, :, :window] for i in range(self.v.shape[0])),
+        )
 
     def write_back(self, work: "KVCache") -> "KVCache":
         """This cache with ``work`` (``per_layer``'s copy, updated) written over its first slots."""
         window = work.max_len
-        return KVCache(self.k.at[:, :, :, :window].set(jnp.stack(work.k)), self.v.at[:, :, :, :window].set(jnp.stack(work.v)))
+        return KVCache(
+            self.k.at[:, :, :, :window].set(jnp.stack(work.k)), self.v.at[:, :, :, :window].set(jnp.stack(work.v))
+        )
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
-
-
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -130,7 +132,7 @@ def attend(q: Array, k: Array, v: Array, visible: Array) -> Array:
 def _grouped(q: Array, K: int) -> Array:
     """``q [B, T, N, H]`` -> scaled ``[B, K, N / K, T, H]``: query head ``n`` reads KV head ``n // (N / K)``."""
     B, T, N, H = q.shape
-    return (q * (H ** -0.5)).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    return (q * (H**-0.5)).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
 
 
 def _ungrouped(out: Array) -> Array:
@@ -139,8 +141,9 @@ def _ungrouped(out: Array) -> Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
 
 
-def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int,
-                     prefix: Optional[tuple[Array, Array]] = None) -> Array:
+def causal_attention(
+    q: Array, k: Array, v: Array, key_valid: Array, chunk: int, prefix: Optional[tuple[Array, Array]] = None
+) -> Array:
     """Causal softmax attention, ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` -> ``[B, T, N, H]``.
 
     The queries go in chunks of ``chunk`` positions; a chunk ending at ``e`` scores only keys
@@ -153,14 +156,18 @@ def causal_attention(q: Array, k: Array, v: Array, key_valid: Array, chunk: int,
     P = 0
     if prefix is not None:  # the shared keys first, for every row (the backward pass sums the rows' gradients)
         P = prefix[0].shape[1]
-        k, v = (jnp.concatenate([jnp.broadcast_to(p[None].astype(x.dtype), (B,) + p.shape), x], axis=2)
-                for p, x in zip(prefix, (k, v)))
+        k, v = (
+            jnp.concatenate([jnp.broadcast_to(p[None].astype(x.dtype), (B,) + p.shape), x], axis=2)
+            for p, x in zip(prefix, (k, v))
+        )
         key_valid = jnp.concatenate([jnp.ones((B, P), bool), key_valid], axis=1)
     outs = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        visible = (jnp.arange(P + start, P + end)[:, None] >= jnp.arange(P + end)[None, :])[None] & key_valid[:, None, :P + end]
-        outs.append(attend(q[:, :, :, start:end], k[:, :, :P + end], v[:, :, :P + end], visible))
+        visible = (jnp.arange(P + start, P + end)[:, None] >= jnp.arange(P + end)[None, :])[None] & key_valid[
+            :, None, : P + end
+        ]
+        outs.append(attend(q[:, :, :, start:end], k[:, :, : P + end], v[:, :, : P + end], visible))
     return _ungrouped(jnp.concatenate(outs, axis=3))
 
 
@@ -180,7 +187,7 @@ def dense(x: Array, w: Array, contract: int = 1) -> Array:
     ``[B * T, D] x [D, F]`` matmul (its weight gradients transposed a whole activation first); see the
     MLP line of ``benchmarks/bench_train_step.py --components``."""
     inner, outer = w.shape[:contract], w.shape[contract:]
-    lead = x.shape[:x.ndim - contract]
+    lead = x.shape[: x.ndim - contract]
     rows = x.reshape(-1, math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(outer))
     return rows.reshape(*lead, *outer)
 
@@ -245,8 +252,10 @@ class Attention(nn.Module):
             cache_v = cache_kv[1].at[at].set(v.astype(cache_kv[1].dtype), mode="drop")
             if layer is None:  # this layer's own cache (``KVCache.per_layer``): the window itself, read in place
                 if cache_k.shape[2] != mask.shape[-1]:
-                    raise ValueError(f"a per-layer cache of {cache_k.shape[2]} slots is read as a whole, "
-                                     f"but the call attends to a window of {mask.shape[-1]}")
+                    raise ValueError(
+                        f"a per-layer cache of {cache_k.shape[2]} slots is read as a whole, "
+                        f"but the call attends to a window of {mask.shape[-1]}"
+                    )
                 k, v = cache_k, cache_v
             else:
                 _, slots, K_, _, H_ = cache_k.shape
@@ -257,19 +266,31 @@ class Attention(nn.Module):
                 k, v = k[cache_rows], v[cache_rows]
             cache_kv = (cache_k, cache_v)
         if cfg.attention_impl is None:
-            out = (causal_attention(q, k, v, key_valid, cfg.attention_chunk, prefix) if cache_kv is None
-                   else cached_attention(q, k.astype(dtype), v.astype(dtype), mask))
+            out = (
+                causal_attention(q, k, v, key_valid, cfg.attention_chunk, prefix)
+                if cache_kv is None
+                else cached_attention(q, k.astype(dtype), v.astype(dtype), mask)
+            )
         else:
             if cache_kv is not None:
                 k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, W, K, H], the library's layout
             mask = mask if mask is not None else causal_mask(key_valid)
             if prefix is not None:  # [K, P, H] -> every row's first keys, all visible
                 B, P = k.shape[0], prefix[0].shape[1]
-                k, v = (jnp.concatenate([jnp.broadcast_to(jnp.swapaxes(p, 0, 1)[None].astype(x.dtype), (B, P) + x.shape[2:]), x],
-                                        axis=1) for p, x in zip(prefix, (k, v)))
+                k, v = (
+                    jnp.concatenate(
+                        [jnp.broadcast_to(jnp.swapaxes(p, 0, 1)[None].astype(x.dtype), (B, P) + x.shape[2:]), x], axis=1
+                    )
+                    for p, x in zip(prefix, (k, v))
+                )
                 mask = jnp.concatenate([jnp.ones(mask.shape[:3] + (P,), bool), mask], axis=-1)
-            out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask,
-                                               implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl)
+            out = jax.nn.dot_product_attention(
+                q,
+                k.astype(dtype),
+                v.astype(dtype),
+                mask=mask,
+                implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl,
+            )
         out = dense(out, wo.astype(dtype), contract=2)
         return out, cache_kv
 
@@ -299,8 +320,16 @@ class DecoderLayer(nn.Module):
         ``prefix``: this layer's shared prefix keys and values (``Transformer``), or None."""
         x, cache_kv = carry
         attn_out, cache_kv = Attention(self.config, name="attn")(
-            RMSNorm(self.config, name="input_norm")(x), positions, mask, key_valid, cache_kv, layer, write_index, cache_rows,
-            prefix)
+            RMSNorm(self.config, name="input_norm")(x),
+            positions,
+            mask,
+            key_valid,
+            cache_kv,
+            layer,
+            write_index,
+            cache_rows,
+            prefix,
+        )
         x = x + attn_out
         x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -377,9 +406,16 @@ class Transformer(nn.Module):
             for i in range(cfg.num_layers):
                 if per_layer:
                     carry = (carry[0], (cache.k[i], cache.v[i]))
-                carry, _ = layer(cfg, name=f"layers_{i}")(carry, None if per_layer else i, positions, mask, attention_mask,
-                                                          write_index, cache_rows,
-                                                          None if prefix_kv is None else (prefix_kv[0][i], prefix_kv[1][i]))
+                carry, _ = layer(cfg, name=f"layers_{i}")(
+                    carry,
+                    None if per_layer else i,
+                    positions,
+                    mask,
+                    attention_mask,
+                    write_index,
+                    cache_rows,
+                    None if prefix_kv is None else (prefix_kv[0][i], prefix_kv[1][i]),
+                )
                 if per_layer:
                     ks.append(carry[1][0])
                     vs.append(carry[1][1])
@@ -390,14 +426,29 @@ class Transformer(nn.Module):
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 # the layer index (and each layer's prefix) scanned; the rest shared
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast,
-                         nn.broadcast if prefix_kv is None else 0),
+                in_axes=(
+                    0,
+                    nn.broadcast,
+                    nn.broadcast,
+                    nn.broadcast,
+                    nn.broadcast,
+                    nn.broadcast,
+                    nn.broadcast if prefix_kv is None else 0,
+                ),
                 length=cfg.num_layers,
                 unroll=cfg.scan_unroll or cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            (x, new_cache), _ = stack(cfg, name="layers")((x, layer_cache), jnp.arange(cfg.num_layers), positions, mask,
-                                                          attention_mask, write_index, cache_rows, prefix_kv)
+            (x, new_cache), _ = stack(cfg, name="layers")(
+                (x, layer_cache),
+                jnp.arange(cfg.num_layers),
+                positions,
+                mask,
+                attention_mask,
+                write_index,
+                cache_rows,
+                prefix_kv,
+            )
         x = RMSNorm(cfg, name="final_norm")(x)
         return x, (None if cache is None else KVCache(*new_cache))
 
@@ -416,13 +467,23 @@ def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
     return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
-def forward(cfg: ModelConfig, params, tokens, attention_mask=None, cache=None, offsets=None, window=None, cache_rows=None,
-            prefix=None):
+def forward(
+    cfg: ModelConfig,
+    params,
+    tokens,
+    attention_mask=None,
+    cache=None,
+    offsets=None,
+    window=None,
+    cache_rows=None,
+    prefix=None,
+):
     """Pure function form of ``Transformer(cfg).apply``: ``(hidden [B, T, D], cache)``. ``params``
     stacked (as stored) or unstacked (``unstack_layers``)."""
     unstacked = "layers" not in params
-    return Transformer(cfg, unstacked).apply({"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows,
-                                             prefix)
+    return Transformer(cfg, unstacked).apply(
+        {"params": params}, tokens, attention_mask, cache, offsets, window, cache_rows, prefix
+    )
 
 
 def unstack_layers(params):

@@ -43,11 +43,11 @@ def compute(name: str, rewards: jnp.ndarray, group_size: int, loss_mask=None, **
     """
     chex.assert_rank(rewards, 1)
     if group_size < 1 or rewards.shape[0] % group_size:
-        raise ValueError(
-            f"rewards of length {rewards.shape[0]} do not split into groups of size {group_size}"
-        )
+        raise ValueError(f"rewards of length {rewards.shape[0]} do not split into groups of size {group_size}")
     rewards = jnp.asarray(rewards, jnp.float32)
-    loss_mask = jnp.ones((rewards.shape[0], 1), jnp.float32) if loss_mask is None else jnp.asarray(loss_mask, jnp.float32)
+    loss_mask = (
+        jnp.ones((rewards.shape[0], 1), jnp.float32) if loss_mask is None else jnp.asarray(loss_mask, jnp.float32)
+    )
     chex.assert_rank(loss_mask, 2)
     chex.assert_equal(loss_mask.shape[0], rewards.shape[0])
     adv = ESTIMATORS(name, rewards, group_size, loss_mask, **options)
@@ -65,8 +65,9 @@ def _groups(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
 
 
 @register("grpo")
-def grpo(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: str = "group",
-         std_floor: float = 0.0) -> jnp.ndarray:
+def grpo(
+    rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, scale: str = "group", std_floor: float = 0.0
+) -> jnp.ndarray:
     """GRPO (Shao et al. 2024): ``(r - mean_g) / (std_g + 1e-6)``, unbiased std (ddof=1).
 
     ``scale="batch"`` divides by the std of the whole batch (mean still per group);

@@ -33,12 +33,18 @@ def pad_rows(sequences: Sequence[Sequence], length: int, dtype, fill=0) -> np.nd
     """``[len(sequences), length]`` array, each sequence right-padded with ``fill``."""
     out = np.full((len(sequences), length), fill, dtype)
     for i, seq in enumerate(sequences):
-        out[i, :len(seq)] = seq
+        out[i, : len(seq)] = seq
     return out
 
 
-def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128, pad_id: int = 0,
-               length: Optional[int] = None, no_gradient: Sequence[int] = ()) -> TrajectoryBatch:
+def make_batch(
+    trajectories: Sequence,
+    group_size: int,
+    length_bucket: int = 128,
+    pad_id: int = 0,
+    length: Optional[int] = None,
+    no_gradient: Sequence[int] = (),
+) -> TrajectoryBatch:
     """Pad ``trajectories`` (P x G, groups contiguous) to ``T = length``, or, without one, to the
     longest rounded up to a multiple of ``length_bucket``. The trainer passes the context length
     (rounded), so every update has the same shape and compiles once; the update computes each
@@ -54,8 +60,10 @@ def make_batch(trajectories: Sequence, group_size: int, length_bucket: int = 128
     return TrajectoryBatch(
         tokens=pad_rows([t.tokens for t in trajectories], T, np.int32, pad_id),
         attention_mask=pad_rows([[1] * len(t.tokens) for t in trajectories], T, np.int32),
-        loss_mask=pad_rows([[0] * len(t.tokens) if i in masked else t.loss_mask for i, t in enumerate(trajectories)], T,
-                           np.float32),
+        loss_mask=pad_rows(
+            [[0] * len(t.tokens) if i in masked else t.loss_mask for i, t in enumerate(trajectories)], T, np.float32
+        ),
         behav_logp=pad_rows([t.behav_logp for t in trajectories], T, np.float32),
         reward=np.array([t.reward for t in trajectories], np.float32),
-        group_size=group_size)
+        group_size=group_size,
+    )

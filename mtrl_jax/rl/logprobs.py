@@ -27,8 +27,15 @@ def _logp_entropy(hidden, head, targets, temperature):
     # array for gradient, and a comparison with the vocabulary's iota (where(hit, logits, 0)) is
     # written out as a whole [N, V] array before its sum, which XLA's CPU backend runs as a library
     # reduction that fuses nothing (the tiny update: 1.07x, ``bench_train_step.py --baseline 058f034``)
-    target = jnp.einsum("nd,nd->n", hidden, jnp.take(head.T, targets, axis=0).astype(hidden.dtype),
-                        preferred_element_type=jnp.float32) / temperature
+    target = (
+        jnp.einsum(
+            "nd,nd->n",
+            hidden,
+            jnp.take(head.T, targets, axis=0).astype(hidden.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        / temperature
+    )
     logp = target - lse
     probs = jnp.exp(logits - lse[:, None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
@@ -104,8 +111,9 @@ def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperat
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
 
 
-def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_mask, temperature=1.0,
-                           chunk_size: int = 512):
+def shared_prefix_logprobs(
+    cfg: ModelConfig, params, prefix, tokens, attention_mask, temperature=1.0, chunk_size: int = 512
+):
     """``sequence_logprobs`` of rows that all begin with the same ``prefix [P]``, given only what
     follows it, ``tokens [B, S]`` (right-padded, ``attention_mask [B, S]``): ``(logp, entropy)``
     ``[B, S]`` of those tokens, the first predicted from the prefix's last position. Equal, values
@@ -119,5 +127,6 @@ def shared_prefix_logprobs(cfg: ModelConfig, params, prefix, tokens, attention_m
     hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
     hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
     last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
-    return token_logprobs(jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens,
-                          temperature, chunk_size)
+    return token_logprobs(
+        jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens, temperature, chunk_size
+    )

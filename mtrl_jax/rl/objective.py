@@ -28,8 +28,11 @@ class ObjectiveConfig:
     entropy_coef: float = 0.0
 
     def __post_init__(self):  # fail on a typo before anything is compiled, naming the config field
-        for field, registry, name in (("rl.loss", losses.LOSSES, self.loss), ("rl.aggregation", losses.AGGREGATIONS, self.aggregation),
-                                      ("rl.kl_estimator", losses.KL_ESTIMATORS, self.kl_estimator)):
+        for field, registry, name in (
+            ("rl.loss", losses.LOSSES, self.loss),
+            ("rl.aggregation", losses.AGGREGATIONS, self.aggregation),
+            ("rl.kl_estimator", losses.KL_ESTIMATORS, self.kl_estimator),
+        ):
             if name not in registry:
                 raise ValueError(f"{field}: unknown {registry.kind} {name!r}; registered: {registry.names()}")
         losses.LOSSES.check_options(self.loss, dict(self.loss_options), "rl.loss_options")
@@ -59,7 +62,13 @@ def objective(
     """
     norms = dict(norm_len=cfg.norm_len, num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows)
     per_token, metrics = losses.compute(
-        cfg.loss, logp, old_logp, advantages, mask, behav_logp=behav_logp, tis_cap=cfg.tis_cap,
+        cfg.loss,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        behav_logp=behav_logp,
+        tis_cap=cfg.tis_cap,
         **dict(cfg.loss_options),
     )
     pg_loss = losses.aggregate(per_token, mask, cfg.aggregation, **norms)

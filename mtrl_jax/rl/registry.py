@@ -30,10 +30,14 @@ class Registry:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             params = list(inspect.signature(fn).parameters.values())
-            positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+            positional = [
+                p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+            ]
             if len(positional) != len(self.arguments):
-                raise TypeError(f"{self.kind} {name!r}: takes {[p.name for p in positional]} without defaults; "
-                                f"a {self.kind} takes exactly {list(self.arguments)} (then options with defaults)")
+                raise TypeError(
+                    f"{self.kind} {name!r}: takes {[p.name for p in positional]} without defaults; "
+                    f"a {self.kind} takes exactly {list(self.arguments)} (then options with defaults)"
+                )
             self._entries[name] = fn
             return fn
 
@@ -53,7 +57,7 @@ class Registry:
 
     def options(self, name: str) -> dict[str, Any]:
         """The options ``name`` takes, with their defaults (``None`` for ``**kwargs``-style entries)."""
-        params = list(inspect.signature(self.get(name)).parameters.values())[len(self.arguments):]
+        params = list(inspect.signature(self.get(name)).parameters.values())[len(self.arguments) :]
         return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     def check_options(self, name: str, options: Mapping[str, Any], field: str = "") -> None:
@@ -84,7 +88,9 @@ class Registry:
             self._entries.update(saved)
 
 
-def parse_options(text: str, field: str, registry: "Registry | None" = None, selected: str | None = None) -> dict[str, Any]:
+def parse_options(
+    text: str, field: str, registry: "Registry | None" = None, selected: str | None = None
+) -> dict[str, Any]:
     """``"clip_high=0.28,clip_dual=None"`` -> ``{"clip_high": 0.28, "clip_dual": None}``.
 
     Values are Python literals (numbers, ``None``, ``True``, quoted strings); anything else is
@@ -109,8 +115,10 @@ def parse_options(text: str, field: str, registry: "Registry | None" = None, sel
             if registry is None or selected is None:
                 raise ValueError(f"{field}: {item!r}: scoped options (ENTRY:NAME=VALUE) need a selected entry")
             if scope not in registry:
-                raise ValueError(f"{field}: {item!r} is scoped to {scope!r}, which is not a registered {registry.kind}; "
-                                 f"registered: {registry.names()}")
+                raise ValueError(
+                    f"{field}: {item!r} is scoped to {scope!r}, which is not a registered {registry.kind}; "
+                    f"registered: {registry.names()}"
+                )
             if scope != selected:
                 continue
         if name in options:

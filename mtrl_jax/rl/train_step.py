@@ -62,8 +62,9 @@ class UpdateConfig:
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
-            raise ValueError(f"rl.advantage: unknown advantage estimator {self.advantage!r}; "
-                             f"registered: {advantages_lib.names()}")
+            raise ValueError(
+                f"rl.advantage: unknown advantage estimator {self.advantage!r}; registered: {advantages_lib.names()}"
+            )
         advantages_lib.ESTIMATORS.check_options(self.advantage, dict(self.advantage_options), "rl.advantage_options")
         if self.old_logp not in ("recompute", "behaviour"):
             raise ValueError(f"rl.old_logp must be 'recompute' or 'behaviour', got {self.old_logp!r}")
@@ -73,8 +74,10 @@ class UpdateConfig:
         if self.min_length < 0:
             raise ValueError(f"UpdateConfig.min_length must be >= 0, got {self.min_length}")
         if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature: training log-probs are of logits / temperature, so it must be > 0, "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"rollout.temperature: training log-probs are of logits / temperature, so it must be > 0, "
+                f"got {self.temperature}"
+            )
 
     @property
     def rows_per_micro_batch_divisor(self) -> int:
@@ -82,13 +85,32 @@ class UpdateConfig:
         return self.mini_batches * self.micro_batches
 
 
-def make_optimizer(learning_rate: float, total_steps: int, schedule: str = "constant", warmup_steps: int = 0,
-                   grad_clip: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999):
+def make_optimizer(
+    learning_rate: float,
+    total_steps: int,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    grad_clip: float = 1.0,
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+):
     if schedule == "constant":
-        lr = optax.join_schedules([optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-                                   optax.constant_schedule(learning_rate)], [max(warmup_steps, 1)]) if warmup_steps else learning_rate
+        lr = (
+            optax.join_schedules(
+                [
+                    optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+                    optax.constant_schedule(learning_rate),
+                ],
+                [max(warmup_steps, 1)],
+            )
+            if warmup_steps
+            else learning_rate
+        )
     elif schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1))
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+        )
     else:
         raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {schedule!r}")
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
@@ -115,7 +137,9 @@ def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_ba
 MAX_LENGTH_BRANCHES = 16
 
 
-def length_buckets(T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES, shortest: int = 0) -> tuple[int, ...]:
+def length_buckets(
+    T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES, shortest: int = 0
+) -> tuple[int, ...]:
     """The static lengths a micro-batch of a ``[., T]`` batch can be cut to: multiples of
     ``granularity`` up to ``T`` (the last is ``T``), or, when there would be more than
     ``max_branches``, ``max_branches`` of them spread geometrically up to ``T``. With ``shortest``
@@ -150,8 +174,15 @@ def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
     return values.max() if name.endswith(("_max", "_max_dev")) else values.mean()
 
 
-def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, attention_mask: jax.Array,
-          buckets: tuple[int, ...], groups: jax.Array) -> dict:
+def score(
+    logprobs,
+    param_sets: list,
+    names: list[str],
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    buckets: tuple[int, ...],
+    groups: jax.Array,
+) -> dict:
     """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch, group by group
     (``groups [n, g]``: row indices, every row once), each group computed at its own length
     (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
@@ -161,8 +192,10 @@ def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, atten
     tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
 
     def group_logprobs(length, tok, att):
-        return tuple(jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
-                     for p in param_sets)
+        return tuple(
+            jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
+            for p in param_sets
+        )
 
     def body(_, rows):
         tok, att = constrain_rows(tokens[rows]), constrain_rows(attention_mask[rows])
@@ -170,26 +203,41 @@ def score(logprobs, param_sets: list, names: list[str], tokens: jax.Array, atten
 
     _, per_group = jax.lax.scan(body, None, groups)
     rows = groups.reshape(-1)
-    return {name: jnp.zeros((B, T), jnp.float32).at[rows].set(x.reshape(B, T) * (attention_mask[rows] > 0))
-            for name, x in zip(names, per_group)}
+    return {
+        name: jnp.zeros((B, T), jnp.float32).at[rows].set(x.reshape(B, T) * (attention_mask[rows] > 0))
+        for name, x in zip(names, per_group)
+    }
 
 
-def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTransformation, state: TrainState,
-                batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
+def update_step(
+    model_cfg: ModelConfig,
+    cfg: UpdateConfig,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    batch: TrajectoryBatch,
+    ref_params=None,
+) -> tuple[TrainState, dict]:
     """All optimizer steps for one batch of ``P x G`` trajectories (``batch``'s arrays ``[B, T]`` /
-    ``[B]``); returns the new state and device metrics: scalars, and ``advantages [B]``. Jit it with ``model_cfg``, ``cfg``,
+    ``[B]``); returns the new state and device metrics: scalars, and ``advantages [B]``. Jit it with ``model_cfg``,
+    ``cfg``,
     ``tx`` and ``batch.group_size`` static (``Updater`` does)."""
     B = batch.tokens.shape[0]
     if B % cfg.rows_per_micro_batch_divisor:
-        raise ValueError(f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
-                         f"x {cfg.micro_batches} micro-batches")
+        raise ValueError(
+            f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
+            f"x {cfg.micro_batches} micro-batches"
+        )
     obj = cfg.objective
     T = batch.tokens.shape[1]
     buckets = length_buckets(T, cfg.length_bucket, shortest=cfg.min_length)
     rows_per_micro = B // cfg.rows_per_micro_batch_divisor
-    logprobs = functools.partial(sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk)
+    logprobs = functools.partial(
+        sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk
+    )
     loss_mask = batch.loss_mask.astype(jnp.float32)
-    adv = advantages_lib.compute(cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options))
+    adv = advantages_lib.compute(
+        cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
+    )
     scored = []  # parameter sets whose log-probs the update needs before its first step
     if cfg.old_logp == "recompute":
         scored.append(("old_logp", state.params))
@@ -199,12 +247,29 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         scored.append(("ref_logp", ref_params))
     rng, order_key = jax.random.split(state.rng)
     order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
-    data = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": loss_mask,
-            "behav_logp": batch.behav_logp, "old_logp": batch.behav_logp, "adv": adv}
+    data = {
+        "tokens": batch.tokens,
+        "attention_mask": batch.attention_mask,
+        "loss_mask": loss_mask,
+        "behav_logp": batch.behav_logp,
+        "old_logp": batch.behav_logp,
+        "adv": adv,
+    }
     if scored:  # in the first epoch's micro-batches (see score)
-        first_epoch = jnp.concatenate([by_length(batch.attention_mask, rows, rows_per_micro) for rows in order[:cfg.mini_batches]])
-        data.update(score(logprobs, [p for _, p in scored], [n for n, _ in scored], batch.tokens, batch.attention_mask,
-                          buckets, first_epoch))
+        first_epoch = jnp.concatenate(
+            [by_length(batch.attention_mask, rows, rows_per_micro) for rows in order[: cfg.mini_batches]]
+        )
+        data.update(
+            score(
+                logprobs,
+                [p for _, p in scored],
+                [n for n, _ in scored],
+                batch.tokens,
+                batch.attention_mask,
+                buckets,
+                first_epoch,
+            )
+        )
     old_logp = data["old_logp"]
 
     # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
@@ -213,16 +278,32 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
     # a gradient of exactly 0 (two compiled programs agree only to ~1 ulp, which Adam would amplify).
     current = {"old_logp": jnp.bool_(True)} if cfg.old_logp == "recompute" else {}
     if obj.kl_coef:
-        current["ref_logp"] = jnp.all(jnp.stack([jnp.array_equal(a, b) for a, b in
-                                                 zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]))
+        current["ref_logp"] = jnp.all(
+            jnp.stack(
+                [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]
+            )
+        )
 
     def micro_loss(params, micro, norms, first):
         logp, entropy = logprobs(params, micro["tokens"], micro["attention_mask"])
-        micro = {**micro, **{name: jnp.where(first & same, jax.lax.stop_gradient(logp), micro[name])
-                             for name, same in current.items()}}
-        return objective(obj, logp, micro["old_logp"], micro["adv"], micro["loss_mask"], entropy=entropy,
-                         behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
-                         ref_logp=micro.get("ref_logp"), **norms)
+        micro = {
+            **micro,
+            **{
+                name: jnp.where(first & same, jax.lax.stop_gradient(logp), micro[name])
+                for name, same in current.items()
+            },
+        }
+        return objective(
+            obj,
+            logp,
+            micro["old_logp"],
+            micro["adv"],
+            micro["loss_mask"],
+            entropy=entropy,
+            behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
+            ref_logp=micro.get("ref_logp"),
+            **norms,
+        )
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -230,7 +311,9 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         rows, first = xs
         params, opt_state, step, skipped = carry
         mask = loss_mask[rows]
-        norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
+        norms = dict(
+            num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0]
+        )
 
         def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
             cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
@@ -248,7 +331,9 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
         computed = micro_metrics.pop("computed_tokens").sum()
         metrics = {k: _mean_or_max(k, v) for k, v in micro_metrics.items()}
-        metrics["real_token_fraction"] = batch.attention_mask[rows].sum() / computed  # of the tokens the micro-batches computed
+        metrics["real_token_fraction"] = (
+            batch.attention_mask[rows].sum() / computed
+        )  # of the tokens the micro-batches computed
         # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
         for key in ("loss", "pg_loss", "kl", "entropy"):
             if key in metrics:
@@ -258,12 +343,18 @@ def update_step(model_cfg: ModelConfig, cfg: UpdateConfig, tx: optax.GradientTra
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        carry = (keep(new_params, params), keep(new_opt_state, opt_state), step + finite.astype(jnp.int32),
-                 skipped + (~finite).astype(jnp.int32))
+        carry = (
+            keep(new_params, params),
+            keep(new_opt_state, opt_state),
+            step + finite.astype(jnp.int32),
+            skipped + (~finite).astype(jnp.int32),
+        )
         return carry, metrics
 
     init = (state.params, state.opt_state, state.step, jnp.zeros((), jnp.int32))
-    (params, opt_state, step, skipped), history = jax.lax.scan(optimizer_step, init, (order, jnp.arange(order.shape[0]) == 0))
+    (params, opt_state, step, skipped), history = jax.lax.scan(
+        optimizer_step, init, (order, jnp.arange(order.shape[0]) == 0)
+    )
     metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
     metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
     metrics["skipped_steps"] = skipped
@@ -279,9 +370,15 @@ class Updater:
     the logical-axis rules active and the batch split over ``data`` x ``fsdp``; the train state keeps
     the parameters' shardings (the optimizer state follows them)."""
 
-    def __init__(self, model_cfg: ModelConfig, config: UpdateConfig, tx: optax.GradientTransformation,
-                 mesh: Optional[Mesh] = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        config: UpdateConfig,
+        tx: optax.GradientTransformation,
+        mesh: Optional[Mesh] = None,
+    ):
         self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
+
         # The optimizer state is donated: the new moments are written over the old ones, which saves
         # twice the parameters' size (Adam) at the update's peak. The parameters are not: they are
         # also the collector's published parameters, in use until the new ones are published.
@@ -309,14 +406,21 @@ class Updater:
         with activate(self.mesh):
             return self._update.lower(*state, batch, ref_params)
 
-    def warm(self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool) -> threading.Thread:
+    def warm(
+        self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool
+    ) -> threading.Thread:
         """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
         the first real update finds its program ready. The trainer starts this before the warm-up and
         the first evaluation, which leave a core idle. Only compiled, never run: running it would hold
         a second train state and the update's buffers while the evaluation holds its KV cache."""
-        empty = TrajectoryBatch(np.zeros((rows, length), np.int32), np.zeros((rows, length), np.int32),
-                                np.zeros((rows, length), np.float32), np.zeros((rows, length), np.float32),
-                                np.zeros((rows,), np.float32), group_size=group_size)
+        empty = TrajectoryBatch(
+            np.zeros((rows, length), np.int32),
+            np.zeros((rows, length), np.int32),
+            np.zeros((rows, length), np.float32),
+            np.zeros((rows, length), np.float32),
+            np.zeros((rows,), np.float32),
+            group_size=group_size,
+        )
         ref = state.params if with_reference else None
         signature = self._signature(empty, ref)
 
@@ -350,9 +454,15 @@ class NonFiniteGuard:
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if not skipped:
             return
-        log.warning("RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
-                    rl_step, skipped, self.in_a_row)
+        log.warning(
+            "RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
+            rl_step,
+            skipped,
+            self.in_a_row,
+        )
         if self.in_a_row >= self.limit:
-            raise FloatingPointError(f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses or "
-                                     f"gradients (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
-                                     f"{last_checkpoint}, holds the last good parameters")
+            raise FloatingPointError(
+                f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses or "
+                f"gradients (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
+                f"{last_checkpoint}, holds the last good parameters"
+            )

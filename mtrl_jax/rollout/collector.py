@@ -43,7 +43,9 @@ class CollectorConfig:
     top_p: float = 1.0
     tool_workers: int = 4  # 0: run tools inline (fully deterministic schedule)
     precompile: bool = True  # the trainer compiles every extend / decode shape ahead of time (Sampler.precompile)
-    share_prefixes: bool = True  # a new episode's prompt takes the cached prefix it shares with another (Sampler.extend)
+    share_prefixes: bool = (
+        True  # a new episode's prompt takes the cached prefix it shares with another (Sampler.extend)
+    )
     min_prompt: int = 0  # no episode's prompt is shorter (setup measures a lower bound): the sampler's min_length
 
 
@@ -87,12 +89,26 @@ class _Slot:
 
 
 class Collector:
-    def __init__(self, model_cfg: ModelConfig, chat: ChatFormat, env: Environment, config: CollectorConfig,
-                 params_source: Callable[[], tuple[object, int]], mesh=None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        chat: ChatFormat,
+        env: Environment,
+        config: CollectorConfig,
+        params_source: Callable[[], tuple[object, int]],
+        mesh=None,
+    ):
         self.chat, self.env, self.config, self.params_source = chat, env, config, params_source
         self.driver = EpisodeDriver(env, chat, config.max_len)
-        self.sampler = Sampler(model_cfg, config.slots, config.max_len, min(config.decode_chunk, config.max_tokens_per_turn),
-                                 mesh=mesh, min_shared=16 if config.share_prefixes else 0, min_length=config.min_prompt)
+        self.sampler = Sampler(
+            model_cfg,
+            config.slots,
+            config.max_len,
+            min(config.decode_chunk, config.max_tokens_per_turn),
+            mesh=mesh,
+            min_shared=16 if config.share_prefixes else 0,
+            min_length=config.min_prompt,
+        )
         stop = list(chat.stop_ids)
         self.stop_tokens = np.array([stop] * config.slots, np.int32)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers) if config.tool_workers > 0 else None
@@ -124,7 +140,13 @@ class Collector:
         slots: list[Optional[_Slot]] = [None] * cfg.slots
         results: dict[int, Trajectory] = {}
         order: dict[int, int] = {}
-        timings = self.timings = {"extend_s": 0.0, "decode_s": 0.0, "tool_wait_s": 0.0, "extend_calls": 0, "decode_calls": 0}
+        timings = self.timings = {
+            "extend_s": 0.0,
+            "decode_s": 0.0,
+            "tool_wait_s": 0.0,
+            "extend_calls": 0,
+            "decode_calls": 0,
+        }
         counts = ExtendCounts()
         state = self.sampler.init()
 
@@ -173,8 +195,16 @@ class Collector:
                 keys = [s.request.key if s is not None else jax.random.PRNGKey(0) for s in slots]
                 budget = [cfg.max_tokens_per_turn - len(s.run.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
                 start = time.perf_counter()
-                state, out = self.sampler.decode(params, state, jax.numpy.stack(keys), [cfg.temperature] * cfg.slots,
-                                                 [cfg.top_p] * cfg.slots, self.stop_tokens, decoding, budget)
+                state, out = self.sampler.decode(
+                    params,
+                    state,
+                    jax.numpy.stack(keys),
+                    [cfg.temperature] * cfg.slots,
+                    [cfg.top_p] * cfg.slots,
+                    self.stop_tokens,
+                    decoding,
+                    budget,
+                )
                 tokens, logp, num, reason = jax.device_get((out.tokens, out.logp, out.num_tokens, out.stop_reason))
                 timings["decode_s"] += time.perf_counter() - start
                 timings["decode_calls"] += 1
@@ -202,9 +232,17 @@ class Collector:
         return [results[i] for i in range(len(requests))]
 
 
-def precompile_in_background(collectors: Sequence[Collector], params, stop: threading.Event) -> threading.Thread:
-    """A thread compiling every sampler shape of ``collectors`` in turn (``Collector.precompile``), started;
-    ``stop`` set: it returns after the program being compiled."""
-    thread = threading.Thread(target=lambda: [c.precompile(params, stop) for c in collectors], daemon=True, name="sampler-compile")
-    thread.start()
-    return thread
+class BackgroundCompile:
+    """Every sampler shape of ``collectors`` compiled in turn in a background thread (``Collector.precompile``),
+    started at once; ``stop()`` returns after the program being compiled (the rest is not needed)."""
+
+    def __init__(self, collectors: Sequence[Collector], params):
+        self.event = threading.Event()
+        self.thread = threading.Thread(
+            target=lambda: [c.precompile(params, self.event) for c in collectors], daemon=True, name="sampler-compile"
+        )
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.event.set()
+        self.thread.join()

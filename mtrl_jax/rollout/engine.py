@@ -46,8 +46,10 @@ class ExtendCounts:
     def fractions(self) -> dict:
         """The share of the computed tokens that were real (not padding), and the share of the tokens
         appended to the cache that were copied from a cached prefix instead of computed."""
-        return {"extend_useful_fraction": self.extended / max(self.computed, 1),
-                "extend_shared_fraction": self.shared / max(self.extended + self.shared, 1)}
+        return {
+            "extend_useful_fraction": self.extended / max(self.computed, 1),
+            "extend_shared_fraction": self.shared / max(self.extended + self.shared, 1),
+        }
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -75,8 +77,12 @@ def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
 
 def state_sharding(mesh: Mesh) -> SamplerState:
     """The shardings of a ``SamplerState``'s arrays on ``mesh``: rows over data x fsdp, KV heads over tensor."""
-    return SamplerState(KVCache(cache_sharding(mesh), cache_sharding(mesh)), batch_sharding(mesh, 1), batch_sharding(mesh, 2),
-                        batch_sharding(mesh, 2))
+    return SamplerState(
+        KVCache(cache_sharding(mesh), cache_sharding(mesh)),
+        batch_sharding(mesh, 1),
+        batch_sharding(mesh, 2),
+        batch_sharding(mesh, 2),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,12 +90,14 @@ def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
     and ``decode`` donate the sampler state (the KV cache is updated in place, never copied)."""
     shardings = None if mesh is None else state_sharding(mesh)
-    return (jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
-            jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
-            jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=shardings),
-            jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=shardings),
-            jax.jit(forget, donate_argnums=(0,), out_shardings=shardings),
-            {})  # programs compiled ahead of time (``Sampler.precompile``), by call signature
+    return (
+        jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
+        jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
+        jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=shardings),
+        jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=shardings),
+        jax.jit(forget, donate_argnums=(0,), out_shardings=shardings),
+        {},
+    )  # programs compiled ahead of time (``Sampler.precompile``), by call signature
 
 
 def _common(a: np.ndarray, b: np.ndarray, n: int) -> int:
@@ -139,7 +147,9 @@ class Sampler:
     min_length: int = 0
 
     def __post_init__(self):
-        self._extend, self._decode, self._init, self._share, self._forget, self._programs = _compiled(self.cfg, self.mesh)
+        self._extend, self._decode, self._init, self._share, self._forget, self._programs = _compiled(
+            self.cfg, self.mesh
+        )
         self._params = None  # a weak reference to a leaf of the parameters the cache entries were computed with
 
     @property
@@ -153,8 +163,14 @@ class Sampler:
         return ("share", self.slots, self.max_len, window)
 
     def _decode_key(self, window: int, rows) -> tuple:
-        return ("decode", self.slots, self.max_len, self.max_new_tokens, window,
-                tuple((tuple(x.shape), str(x.dtype)) for x in rows))
+        return (
+            "decode",
+            self.slots,
+            self.max_len,
+            self.max_new_tokens,
+            window,
+            tuple((tuple(x.shape), str(x.dtype)) for x in rows),
+        )
 
     def _run(self, key, jitted, args, kwargs, static):
         """The program ``precompile`` compiled for ``key`` if there is one, else the jitted function (which
@@ -176,8 +192,12 @@ class Sampler:
         at least ``min_length`` tokens, and it attends to ``max_new_tokens`` more (``window`` takes no
         narrower one for a smaller budget)."""
         line_counts = [8 << i for i in range(self._max_lines.bit_length()) if 8 << i <= self._max_lines]
-        extend_shapes = [(lines, w) for w in windows(self.max_len) for lines in line_counts
-                         if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)]
+        extend_shapes = [
+            (lines, w)
+            for w in windows(self.max_len)
+            for lines in line_counts
+            if lines == 8 or lines // 2 < self.slots * -(-w // self.piece)
+        ]
         return extend_shapes, self._decode_windows()
 
     def _decode_windows(self) -> list[int]:
@@ -185,37 +205,48 @@ class Sampler:
 
     def precompile(self, params, num_stop_tokens: int = 1, stop: Optional[threading.Event] = None) -> None:
         """Compile every ``extend`` and ``decode`` program of this sampler's shapes ahead of time
-        (``call_shapes``; and ``forget`` and ``share_prefixes`` at every window), so that no call of a run waits on a compile of a shape first met late.
+        (``call_shapes``; and ``forget`` and ``share_prefixes`` at every window), so that no call of a run waits on
+        a compile of a shape first met late.
         Programs are shared by the samplers of one model config and mesh (the evaluation's, with the
         same slots, uses them too). Calls whose program is not ready yet compile it themselves (jit),
         as without it. ``num_stop_tokens``: the width of the ``stop_tokens`` the decode calls will
         pass. ``stop`` set: return after the program being compiled (the caller no longer needs the rest)."""
         state = jax.eval_shape(lambda: init_state(self.cfg, self.slots, self.max_len))
         if self.mesh is not None:
-            state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
-                                 state_sharding(self.mesh))
+            state = jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_sharding(self.mesh)
+            )
         extend_shapes, decode_windows = self.call_shapes()
-        rows = (jax.random.split(jax.random.PRNGKey(0), self.slots), np.ones(self.slots, np.float32),
-                np.ones(self.slots, np.float32), np.zeros((self.slots, num_stop_tokens), np.int32),
-                np.ones(self.slots, bool), np.ones(self.slots, np.int32))
+        rows = (
+            jax.random.split(jax.random.PRNGKey(0), self.slots),
+            np.ones(self.slots, np.float32),
+            np.ones(self.slots, np.float32),
+            np.zeros((self.slots, num_stop_tokens), np.int32),
+            np.ones(self.slots, bool),
+            np.ones(self.slots, np.int32),
+        )
 
         def lower_extend(lines, window):
             line = np.zeros(lines, np.int32)
             tokens, num_new = place_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
-            return self._extend.lower(params, state, tokens, num_new, window=window, rows=line, starts=line,
-                                      last=np.zeros(lines, bool))
+            return self._extend.lower(
+                params, state, tokens, num_new, window=window, rows=line, starts=line, last=np.zeros(lines, bool)
+            )
 
         def lower_decode(window):
-            return self._decode.lower(params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens,
-                                      window=window)
+            return self._decode.lower(
+                params, state, *place_batch(rows, self.mesh), max_new_tokens=self.max_new_tokens, window=window
+            )
 
         index = np.zeros(self.slots, np.int32)
         jobs = [(("forget", self.slots, self.max_len), lambda: self._forget.lower(state))]
         jobs += [(self._extend_key(lines, w), functools.partial(lower_extend, lines, w)) for lines, w in extend_shapes]
         jobs += [(self._decode_key(w, rows), functools.partial(lower_decode, w)) for w in decode_windows]
         if self.min_shared:
-            jobs += [(self._share_key(w), functools.partial(self._share.lower, state, index, index, index, window=w))
-                     for w in windows(self.max_len)]
+            jobs += [
+                (self._share_key(w), functools.partial(self._share.lower, state, index, index, index, window=w))
+                for w in windows(self.max_len)
+            ]
         with activate(self.mesh):
             for key, lower in jobs:
                 if stop is not None and stop.is_set():
@@ -265,10 +296,12 @@ class Sampler:
         blocks, held, later = self._plan_sharing(state, blocks, lengths) if self.min_shared else (list(blocks), [], {})
         state, counts = self._copy(state, held, lengths)
         if later:  # the prefixes held nowhere yet: copied once this call's other rows are computed
-            state, computed = self._extend_pieces(params, state, [[] if row in later else b for row, b in enumerate(blocks)], lengths)
+            state, computed = self._extend_pieces(
+                params, state, [[] if row in later else b for row, b in enumerate(blocks)], lengths
+            )
             state, copied = self._copy(state, [(leader, row, count) for row, (leader, count) in later.items()], lengths)
             counts = counts + computed + copied
-            blocks = [blocks[row][later[row][1]:] if row in later else [] for row in range(self.slots)]
+            blocks = [blocks[row][later[row][1] :] if row in later else [] for row in range(self.slots)]
         state, computed = self._extend_pieces(params, state, blocks, lengths)
         return state, counts + computed
 
@@ -320,7 +353,11 @@ class Sampler:
         """``share_prefixes`` for ``(source, row, count)`` pairs (padded to ``slots``); advances ``lengths``."""
         if not pairs:
             return state, ExtendCounts()
-        src, dst, count = np.zeros(self.slots, np.int32), np.full(self.slots, self.slots, np.int32), np.zeros(self.slots, np.int32)
+        src, dst, count = (
+            np.zeros(self.slots, np.int32),
+            np.full(self.slots, self.slots, np.int32),
+            np.zeros(self.slots, np.int32),
+        )
         for i, (source, row, n) in enumerate(pairs):
             src[i], dst[i], count[i] = source, row, n
             lengths[row] = n
@@ -329,7 +366,9 @@ class Sampler:
             state = self._run(self._share_key(window), self._share, (state, src, dst, count), {}, dict(window=window))
         return state, ExtendCounts(shared=int(count.sum()))
 
-    def _extend_pieces(self, params, state: SamplerState, blocks, lengths: np.ndarray) -> tuple[SamplerState, ExtendCounts]:
+    def _extend_pieces(
+        self, params, state: SamplerState, blocks, lengths: np.ndarray
+    ) -> tuple[SamplerState, ExtendCounts]:
         """The extend calls that append ``blocks`` to rows holding ``lengths`` tokens (advanced here)."""
         pieces = sorted((start, row) for row, block in enumerate(blocks) for start in range(0, len(block), self.piece))
         counts = ExtendCounts()
@@ -338,14 +377,14 @@ class Sampler:
         added = np.zeros(self.slots, np.int64)  # tokens of each row's block already on the device
         first = 0
         for lines in call_lines(len(pieces), self._max_lines, self.fill):
-            call = pieces[first:first + lines]
+            call = pieces[first : first + lines]
             first += lines
             tokens = np.zeros((lines, self.piece), np.int32)
             rows, starts, num_new = np.zeros(lines, np.int32), np.zeros(lines, np.int32), np.zeros(lines, np.int32)
             last = np.zeros(lines, bool)
             for line, (start, row) in enumerate(call):
-                chunk = blocks[row][start:start + self.piece]
-                tokens[line, :len(chunk)] = chunk
+                chunk = blocks[row][start : start + self.piece]
+                tokens[line, : len(chunk)] = chunk
                 rows[line], starts[line], num_new[line] = row, start - added[row], len(chunk)
                 last[line] = start + len(chunk) >= len(blocks[row])
             reach = lengths[rows] + starts + num_new
@@ -354,9 +393,13 @@ class Sampler:
             np.add.at(lengths, rows, num_new)
             np.add.at(added, rows, num_new)
             with activate(self.mesh):
-                state = self._run(self._extend_key(lines, window), self._extend,
-                                  (params, state, *place_batch((tokens, num_new), self.mesh)),
-                                  dict(rows=rows, starts=starts, last=last), dict(window=window))
+                state = self._run(
+                    self._extend_key(lines, window),
+                    self._extend,
+                    (params, state, *place_batch((tokens, num_new), self.mesh)),
+                    dict(rows=rows, starts=starts, last=last),
+                    dict(window=window),
+                )
         return state, counts
 
     def decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget=None):
@@ -367,18 +410,38 @@ class Sampler:
             row_keys = jax.random.split(row_keys, self.slots)
         if budget is None:
             budget = np.full(self.slots, self.max_new_tokens, np.int32)
-        rows = (row_keys, np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(stop_tokens, np.int32),
-                np.asarray(active, bool), np.asarray(budget, np.int32))
+        rows = (
+            row_keys,
+            np.asarray(temperature, np.float32),
+            np.asarray(top_p, np.float32),
+            np.asarray(stop_tokens, np.int32),
+            np.asarray(active, bool),
+            np.asarray(budget, np.int32),
+        )
         window = self.window(state, rows[4], rows[5])
         with activate(self.mesh):
-            return self._run(self._decode_key(window, rows), self._decode, (params, state, *place_batch(rows, self.mesh)), {},
-                             dict(max_new_tokens=self.max_new_tokens, window=window))
+            return self._run(
+                self._decode_key(window, rows),
+                self._decode,
+                (params, state, *place_batch(rows, self.mesh)),
+                {},
+                dict(max_new_tokens=self.max_new_tokens, window=window),
+            )
 
     def lower_decode(self, params, state, row_keys, temperature, top_p, stop_tokens, active, budget):
         """``decode`` lowered for these (abstract, placed) arguments, for ``tools/plan_scale.py``."""
         with activate(self.mesh):
-            return self._decode.lower(params, state, row_keys, temperature, top_p, stop_tokens, active, budget,
-                                      max_new_tokens=self.max_new_tokens)
+            return self._decode.lower(
+                params,
+                state,
+                row_keys,
+                temperature,
+                top_p,
+                stop_tokens,
+                active,
+                budget,
+                max_new_tokens=self.max_new_tokens,
+            )
 
     def reset_rows(self, state: SamplerState, rows) -> SamplerState:
         """Empty the given rows (a new episode starts there); stale cache entries are masked out."""

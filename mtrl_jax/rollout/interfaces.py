@@ -54,7 +54,10 @@ class Tool(abc.ABC):
     parameters: dict
 
     def schema(self) -> dict:
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def validate(self, arguments: Any) -> dict:
         if not isinstance(arguments, dict):
@@ -128,7 +131,9 @@ class EnvironmentRouter(Environment):
         try:
             return self.environments[task.corpus]
         except KeyError:
-            raise ValueError(f"task {task.task_id!r}: no environment for corpus {task.corpus!r}; have {sorted(self.environments)}") from None
+            raise ValueError(
+                f"task {task.task_id!r}: no environment for corpus {task.corpus!r}; have {sorted(self.environments)}"
+            ) from None
 
     def reset(self, task):
         return self._env(task).reset(task)
@@ -168,7 +173,9 @@ class EpisodeDriver:
         already ended (the prompt does not fit)."""
         episode, messages = self.env.reset(task)
         prompt = self.chat.prompt(messages)
-        run = EpisodeRun(episode, Trajectory(task.task_id, group_id, sample_index, task.type, prompt_len=len(prompt)), list(messages))
+        run = EpisodeRun(
+            episode, Trajectory(task.task_id, group_id, sample_index, task.type, prompt_len=len(prompt)), list(messages)
+        )
         return run, self._append_block(run, prompt)
 
     def add_sampled(self, run: EpisodeRun, tokens: Sequence[int], logp: Sequence[float], version: int) -> None:
@@ -208,7 +215,9 @@ class EpisodeDriver:
         traj.turns, traj.reward, traj.status = ep.turns, ep.reward, ep.status
         traj.final_ranking, traj.counters = list(ep.final_ranking or []), dict(ep.counters)
         qrels = getattr(ep.task, "qrels", None) or {}
-        shown = [d for turn in ep.turns for call in turn.get("calls", []) for d in call.get("doc_ids", [])] + traj.final_ranking
+        shown = [
+            d for turn in ep.turns for call in turn.get("calls", []) for d in call.get("doc_ids", [])
+        ] + traj.final_ranking
         traj.query, traj.grades = getattr(ep.task, "query", ""), {d: int(qrels.get(d, 0)) for d in shown}
         run.done = True
         return []

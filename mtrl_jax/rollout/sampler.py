@@ -32,7 +32,12 @@ from mtrl_jax.model.transformer import KVCache, forward, init_cache, logits_from
 
 # Why a row stopped decoding.
 STOP_TOKEN, MAX_NEW_TOKENS, CACHE_FULL, INACTIVE = 0, 1, 2, 3
-STOP_REASONS = {STOP_TOKEN: "stop_token", MAX_NEW_TOKENS: "max_new_tokens", CACHE_FULL: "cache_full", INACTIVE: "inactive"}
+STOP_REASONS = {
+    STOP_TOKEN: "stop_token",
+    MAX_NEW_TOKENS: "max_new_tokens",
+    CACHE_FULL: "cache_full",
+    INACTIVE: "inactive",
+}
 
 
 class SamplerState(NamedTuple):
@@ -52,13 +57,25 @@ class DecodeOutput(NamedTuple):
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int) -> SamplerState:
-    return SamplerState(init_cache(cfg, batch, max_len), jnp.zeros((batch,), jnp.int32),
-                        jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype), jnp.full((batch, max_len), -1, jnp.int32))
+    return SamplerState(
+        init_cache(cfg, batch, max_len),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((batch, cfg.hidden_size), cfg.compute_dtype),
+        jnp.full((batch, max_len), -1, jnp.int32),
+    )
 
 
-def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-           window: Optional[int] = None, rows: Optional[jax.Array] = None, starts: Optional[jax.Array] = None,
-           last: Optional[jax.Array] = None) -> SamplerState:
+def extend(
+    cfg: ModelConfig,
+    params,
+    state: SamplerState,
+    tokens: jax.Array,
+    num_new: jax.Array,
+    window: Optional[int] = None,
+    rows: Optional[jax.Array] = None,
+    starts: Optional[jax.Array] = None,
+    last: Optional[jax.Array] = None,
+) -> SamplerState:
     """Append ``tokens[b, :num_new[b]]`` to row ``b`` (``tokens [B, T]``, right-padded). Attention
     reads the cache's first ``window`` slots (static; default all): every row's length + ``T`` must fit.
 
@@ -74,14 +91,21 @@ def extend(cfg: ModelConfig, params, state: SamplerState, tokens: jax.Array, num
     offsets = state.lengths if rows is None else state.lengths[rows] + starts
     hidden, cache = forward(cfg, params, tokens, valid, state.cache, offsets, window, rows)
     final = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    written = jnp.where(valid, offsets[:, None] + jnp.arange(T)[None, :], state.tokens.shape[1])  # out of range: not written
+    written = jnp.where(
+        valid, offsets[:, None] + jnp.arange(T)[None, :], state.tokens.shape[1]
+    )  # out of range: not written
     if rows is None:
         held = state.tokens.at[jnp.arange(tokens.shape[0])[:, None], written].set(tokens, mode="drop")
-        return SamplerState(cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], final, state.last_hidden), held)
+        return SamplerState(
+            cache, state.lengths + num_new, jnp.where((num_new > 0)[:, None], final, state.last_hidden), held
+        )
     target = jnp.where(last & (num_new > 0), rows, state.lengths.shape[0])  # out of range: not written
-    return SamplerState(cache, state.lengths.at[rows].add(num_new),
-                        state.last_hidden.at[target].set(final.astype(state.last_hidden.dtype), mode="drop"),
-                        state.tokens.at[rows[:, None], written].set(tokens, mode="drop"))
+    return SamplerState(
+        cache,
+        state.lengths.at[rows].add(num_new),
+        state.last_hidden.at[target].set(final.astype(state.last_hidden.dtype), mode="drop"),
+        state.tokens.at[rows[:, None], written].set(tokens, mode="drop"),
+    )
 
 
 def share_prefixes(state: SamplerState, src: jax.Array, dst: jax.Array, count: jax.Array, window: int) -> SamplerState:
@@ -102,7 +126,9 @@ def share_prefixes(state: SamplerState, src: jax.Array, dst: jax.Array, count: j
         return x.at[tuple(index)].set(new, mode="drop")
 
     cache = KVCache(copy(state.cache.k, 1, 3), copy(state.cache.v, 1, 3))  # [L, B, K, S, H]
-    return SamplerState(cache, state.lengths.at[dst].set(count, mode="drop"), state.last_hidden, copy(state.tokens, 0, 1))
+    return SamplerState(
+        cache, state.lengths.at[dst].set(count, mode="drop"), state.last_hidden, copy(state.tokens, 0, 1)
+    )
 
 
 def forget(state: SamplerState) -> SamplerState:
@@ -152,8 +178,19 @@ def sample_tokens(logits, keys, temperature, top_p):
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature, top_p, stop_tokens, active,
-           budget, max_new_tokens: int, window: Optional[int] = None) -> tuple[SamplerState, DecodeOutput]:
+def decode(
+    cfg: ModelConfig,
+    params,
+    state: SamplerState,
+    row_keys,
+    temperature,
+    top_p,
+    stop_tokens,
+    active,
+    budget,
+    max_new_tokens: int,
+    window: Optional[int] = None,
+) -> tuple[SamplerState, DecodeOutput]:
     """Sample up to ``min(budget[b], max_new_tokens)`` tokens per active row.
 
     ``row_keys [B]``: one PRNG key per row; the token at cache position ``p`` is drawn with
@@ -193,14 +230,23 @@ def decode(cfg: ModelConfig, params, state: SamplerState, row_keys, temperature,
         # a row that ends its tokens of this call exactly at the end of a window narrower than the cache
         # is not full (the next call attends to a larger window); at the cache's end it is
         out_of_room = full & (~last | (state.lengths >= capacity))
-        reason = jnp.where(active & is_stop, STOP_TOKEN,
-                           jnp.where(active & out_of_room, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)))
+        reason = jnp.where(
+            active & is_stop,
+            STOP_TOKEN,
+            jnp.where(active & out_of_room, CACHE_FULL, jnp.where(active & last, MAX_NEW_TOKENS, reason)),
+        )
         active = active & ~is_stop & ~full & ~last
         return i + 1, state, active, out_tokens, out_logp, num_tokens, reason
 
     # the loop runs on a copy of the window, one array per layer (``KVCache.per_layer``), written back after
-    carry = (jnp.int32(0), state._replace(cache=state.cache.per_layer(max_len)), active,
-             jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B, max_new_tokens), jnp.float32),
-             jnp.zeros((B,), jnp.int32), reason)
+    carry = (
+        jnp.int32(0),
+        state._replace(cache=state.cache.per_layer(max_len)),
+        active,
+        jnp.zeros((B, max_new_tokens), jnp.int32),
+        jnp.zeros((B, max_new_tokens), jnp.float32),
+        jnp.zeros((B,), jnp.int32),
+        reason,
+    )
     _, work, _, tokens, logp, num_tokens, reason = jax.lax.while_loop(cond, body, carry)
     return work._replace(cache=state.cache.write_back(work.cache)), DecodeOutput(tokens, logp, num_tokens, reason)

@@ -122,15 +122,18 @@ class GroupSelector:
         """The groups of RL step ``step`` (0-based: the trainer holds parameter version ``step``) that train."""
         fresh, stale = filter_stale(groups, step, self.max_staleness)
         lag = [step - t.min_version() for g in fresh for t in g if t.min_version() is not None]
-        counts = {"staleness/dropped_groups": len(stale), "staleness/mean": sum(lag) / len(lag) if lag else 0.0,
-                  "staleness/max": max(lag, default=0)}
+        counts = {
+            "staleness/dropped_groups": len(stale),
+            "staleness/mean": sum(lag) / len(lag) if lag else 0.0,
+            "staleness/max": max(lag, default=0),
+        }
         trainable = fresh
         if self.filter_groups:
             trainable, all_equal_groups = split_informative(fresh)
             counts["filter/dropped_groups"] = len(all_equal_groups)
             counts["filter/extra_episodes"] = sum(len(g) for g in groups if g[0].group_id >= self.global_batch_size)
             counts["filter/informative_groups"] = len(trainable)
-            trainable = trainable[:self.global_batch_size]
+            trainable = trainable[: self.global_batch_size]
         kept, left_out = trainable_groups(trainable, self.rows_divisor)
         counts["batch/left_out_groups"] = len(left_out)
         no_gradient = no_gradient_rows([t for g in kept for t in g], self.truncation)

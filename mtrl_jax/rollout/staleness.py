@@ -64,11 +64,13 @@ class AsyncRollouts:
             self.version = version
             self.cond.notify_all()
 
-    def get(self):
-        step, batch = self.out.get()
+    def get(self, step: int):
+        """Batch ``step``, waiting for the rollout thread to finish it."""
+        got, batch = self.out.get()
         if self.error is not None:
             raise RuntimeError("rollout thread failed") from self.error
-        return step, batch
+        assert got == step, (got, step)
+        return batch
 
     def stop(self):
         with self.cond:

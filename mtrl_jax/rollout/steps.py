@@ -29,11 +29,21 @@ class StepRollouts:
     """``collect(step)``: this process's groups of RL step ``step`` and where the time went. It may run on
     the rollout thread, so it talks to no other process (``gather`` does, on the main thread)."""
 
-    def __init__(self, collector: Collector, schedule: TaskSchedule, train_tasks: Sequence, seed: int, group_size: int,
-                 filter_max_extra_groups: int = 0):
+    def __init__(
+        self,
+        collector: Collector,
+        schedule: TaskSchedule,
+        train_tasks: Sequence,
+        seed: int,
+        group_size: int,
+        filter_max_extra_groups: int = 0,
+    ):
         self.collector, self.schedule, self.train_tasks = collector, schedule, train_tasks
         self.seed, self.group_size, self.max_extra = seed, group_size, filter_max_extra_groups
-        self.start: tuple[int, DataCursor] = (0, DataCursor(shuffle_seed=seed))  # (RL step, data cursor) the run starts from
+        self.start: tuple[int, DataCursor] = (
+            0,
+            DataCursor(shuffle_seed=seed),
+        )  # (RL step, data cursor) the run starts from
 
     def cursor(self, step: int) -> DataCursor:
         """The data cursor at the start of RL step ``step``."""
@@ -44,8 +54,11 @@ class StepRollouts:
         """The ``P x G`` episodes of RL step ``step``: the tasks at the data cursor, a key per episode."""
         G = self.group_size
         base = jax.random.fold_in(rng.key(self.seed, "rollout"), step)
-        return [EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g))
-                for p, task in enumerate(self.schedule.batch(self.cursor(step))) for g in range(G)]
+        return [
+            EpisodeRequest(task, p, g, jax.random.fold_in(base, p * G + g))
+            for p, task in enumerate(self.schedule.batch(self.cursor(step)))
+            for g in range(G)
+        ]
 
     def extra_requests(self, step: int, round_: int, groups: int) -> list[EpisodeRequest]:
         """Dynamic sampling's refill: ``groups`` more groups for RL step ``step`` (round ``round_``), of
@@ -58,16 +71,23 @@ class StepRollouts:
         base = rng.key(self.seed, "refill")
         for x in (step, round_, jax.process_index()):
             base = jax.random.fold_in(base, x)
-        return [EpisodeRequest(task, first + p, g, jax.random.fold_in(base, p * G + g)) for p, task in enumerate(tasks) for g in range(G)]
+        return [
+            EpisodeRequest(task, first + p, g, jax.random.fold_in(base, p * G + g))
+            for p, task in enumerate(tasks)
+            for g in range(G)
+        ]
 
     def _groups(self, requests: list[EpisodeRequest]) -> tuple[list, dict]:
         trajectories = self.collector.run(requests)
-        return [trajectories[i:i + self.group_size] for i in range(0, len(trajectories), self.group_size)], dict(self.collector.timings)
+        return [trajectories[i : i + self.group_size] for i in range(0, len(trajectories), self.group_size)], dict(
+            self.collector.timings
+        )
 
     def collect(self, step: int) -> tuple[list, dict]:
         start = time.perf_counter()
         groups, timings = self._groups(distributed.share(self.requests(step), self.group_size))
         if self.max_extra:
+
             def generate(n, round_):
                 nonlocal timings
                 more, more_timings = self._groups(self.extra_requests(step, round_, n))

@@ -46,15 +46,28 @@ class Trajectory:
 
     def to_record(self, step: Optional[int] = None, include_tokens: bool = False) -> dict:
         record = {
-            "step": step, "task_id": self.task_id, "type": self.task_type, "query": self.query, "group_id": self.group_id,
+            "step": step,
+            "task_id": self.task_id,
+            "type": self.task_type,
+            "query": self.query,
+            "group_id": self.group_id,
             "sample_index": self.sample_index,
-            "reward": self.reward, "advantage": self.advantage, "status": self.status, "final_ranking": self.final_ranking,
-            "num_turns": len(self.turns), "num_tokens": len(self.tokens), "num_sampled_tokens": self.num_sampled,
-            "param_versions": sorted({v for v in self.version if v != NOT_SAMPLED}), "counters": self.counters,
-            "turns": self.turns, "grades": self.grades,
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "status": self.status,
+            "final_ranking": self.final_ranking,
+            "num_turns": len(self.turns),
+            "num_tokens": len(self.tokens),
+            "num_sampled_tokens": self.num_sampled,
+            "param_versions": sorted({v for v in self.version if v != NOT_SAMPLED}),
+            "counters": self.counters,
+            "turns": self.turns,
+            "grades": self.grades,
         }
         if include_tokens:
-            record.update(tokens=self.tokens, loss_mask=self.loss_mask, behav_logp=self.behav_logp, version=self.version)
+            record.update(
+                tokens=self.tokens, loss_mask=self.loss_mask, behav_logp=self.behav_logp, version=self.version
+            )
         return record
 
     def to_json(self, step: Optional[int] = None, include_tokens: bool = False) -> str:

@@ -12,9 +12,13 @@ from mtrl_jax.search.build import SearchSettings, make_retriever
 from mtrl_jax.search.metrics import ndcg_at_k, recall_at_k
 
 
-def evaluate_retrieval(collection: Collection, tools: Sequence[str] = ("bm25", "dense", "fusion"),
-                       settings: SearchSettings = SearchSettings(), depth: int = 100,
-                       group_of: Optional[Callable] = None) -> dict:
+def evaluate_retrieval(
+    collection: Collection,
+    tools: Sequence[str] = ("bm25", "dense", "fusion"),
+    settings: SearchSettings = SearchSettings(),
+    depth: int = 100,
+    group_of: Optional[Callable] = None,
+) -> dict:
     """``{tool: {"ndcg@10", "recall@100", "queries", "by_type"?: {...}}}``; with ``group_of(task)``
     the metrics are also broken down by group (e.g. the synthetic query type)."""
     results = {}
@@ -44,7 +48,9 @@ def evaluate_retrieval(collection: Collection, tools: Sequence[str] = ("bm25", "
                 per_group[group_of(task)][1].append(r)
         results[tool] = {"ndcg@10": float(np.mean(ndcgs)), "recall@100": float(np.mean(recalls)), "queries": len(ndcgs)}
         if group_of:
-            results[tool]["by_type"] = {g: {"ndcg@10": float(np.mean(n)), "recall@100": float(np.mean(r)), "queries": len(n)}
-                                        for g, (n, r) in sorted(per_group.items())}
+            results[tool]["by_type"] = {
+                g: {"ndcg@10": float(np.mean(n)), "recall@100": float(np.mean(r)), "queries": len(n)}
+                for g, (n, r) in sorted(per_group.items())
+            }
         results[tool]["rankings"] = {t.task_id: ranking for t, ranking in zip(collection.tasks, rankings)}
     return results

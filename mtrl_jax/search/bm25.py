@@ -59,7 +59,9 @@ class BM25Index:
         return top_k(self.scores(query_terms), k)
 
 
-def top_k(scores: np.ndarray, k: int, keep: Callable[[np.ndarray], np.ndarray] = lambda s: s > 0) -> list[tuple[int, float]]:
+def top_k(
+    scores: np.ndarray, k: int, keep: Callable[[np.ndarray], np.ndarray] = lambda s: s > 0
+) -> list[tuple[int, float]]:
     candidates = np.flatnonzero(keep(scores))
     if len(candidates) > k:
         part = np.argpartition(-scores[candidates], k - 1)[:k]

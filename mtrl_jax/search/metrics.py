@@ -46,7 +46,9 @@ def mrr(ranking: Sequence[str], qrels: Mapping[str, int], k: int | None = None) 
     return 0.0
 
 
-def write_trec_run(out: TextIO, runs: Mapping[str, Sequence[tuple[str, float]] | Sequence[str]], tag: str = "mtrl_jax") -> None:
+def write_trec_run(
+    out: TextIO, runs: Mapping[str, Sequence[tuple[str, float]] | Sequence[str]], tag: str = "mtrl_jax"
+) -> None:
     """Write ``query_id Q0 doc_id rank score tag`` lines. A ranking without scores gets ``-rank``."""
     for qid, ranking in runs.items():
         for rank, item in enumerate(dedupe_scored(ranking), start=1):

@@ -43,8 +43,16 @@ class DenseRetriever:
     of the corpus content hash and the encoder fingerprint.
     """
 
-    def __init__(self, collection: Collection, encoder: Encoder, cache_dir: Optional[os.PathLike] = None,
-                 index_type: str = "flat", nlist: int = 256, nprobe: int = 16, hnsw_m: int = 32):
+    def __init__(
+        self,
+        collection: Collection,
+        encoder: Encoder,
+        cache_dir: Optional[os.PathLike] = None,
+        index_type: str = "flat",
+        nlist: int = 256,
+        nprobe: int = 16,
+        hnsw_m: int = 32,
+    ):
         self.collection, self.encoder = collection, encoder
         texts = [doc_text(d) for d in collection.documents]
         encoder.fit(texts)
@@ -84,10 +92,14 @@ class DenseRetriever:
     def search_batch(self, queries: Sequence[str], k: int) -> list[list[tuple[str, float]]]:
         scores, ids = self.index.search(self.encoder.encode(list(queries)), min(k, len(self.collection.documents)))
         docs = self.collection.documents
-        return [[(docs[i].doc_id, float(s)) for s, i in zip(row_s, row_i) if i >= 0] for row_s, row_i in zip(scores, ids)]
+        return [
+            [(docs[i].doc_id, float(s)) for s, i in zip(row_s, row_i) if i >= 0] for row_s, row_i in zip(scores, ids)
+        ]
 
 
-def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], k: int = 60, depth: Optional[int] = None) -> list[tuple[str, float]]:
+def reciprocal_rank_fusion(
+    rankings: Sequence[Sequence[str]], k: int = 60, depth: Optional[int] = None
+) -> list[tuple[str, float]]:
     """RRF (Cormack et al. 2009): ``score(d) = sum_r 1 / (k + rank_r(d))``, ranks from 1."""
     scores: dict[str, float] = {}
     for ranking in rankings:
@@ -108,4 +120,3 @@ class FusionRetriever:
     def search(self, query: str, k: int) -> list[tuple[str, float]]:
         rankings = [[d for d, _ in r.search(query, self.depth)] for r in self.retrievers]
         return reciprocal_rank_fusion(rankings, self.rrf_k, depth=k)
-

@@ -17,8 +17,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from mtrl_jax.rollout.interfaces import ToolError
 
 
-def make_server(tools_by_collection: dict[str, dict], host: str = "127.0.0.1", port: int = 0,
-                max_request_bytes: int = 16_384, read_timeout_s: float = 10.0, backlog: int = 1024) -> ThreadingHTTPServer:
+def make_server(
+    tools_by_collection: dict[str, dict],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_request_bytes: int = 16_384,
+    read_timeout_s: float = 10.0,
+    backlog: int = 1024,
+) -> ThreadingHTTPServer:
     """``tools_by_collection``: collection name -> {tool name -> SearchTool}."""
 
     class Handler(BaseHTTPRequestHandler):

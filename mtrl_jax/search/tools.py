@@ -28,15 +28,25 @@ def render_results(tool: str, query: str, hits: list[dict], max_doc_chars: int) 
 class SearchTool(Tool):
     """``{name}(query: str, top_k: int = default)`` over a local retriever."""
 
-    def __init__(self, name: str, description: str, retriever, collection: Collection,
-                 top_k: int = 5, max_top_k: int = 20, max_doc_chars: int = 200):
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        retriever,
+        collection: Collection,
+        top_k: int = 5,
+        max_top_k: int = 20,
+        max_doc_chars: int = 200,
+    ):
         self.name, self.description = name, description
         self.retriever, self.collection = retriever, collection
         self.top_k, self.max_top_k, self.max_doc_chars = top_k, max_top_k, max_doc_chars
         self.parameters = {
             "type": "object",
-            "properties": {"query": {"type": "string", "description": "the search query"},
-                           "top_k": {"type": "integer", "description": f"number of results (1-{max_top_k}, default {top_k})"}},
+            "properties": {
+                "query": {"type": "string", "description": "the search query"},
+                "top_k": {"type": "integer", "description": f"number of results (1-{max_top_k}, default {top_k})"},
+            },
             "required": ["query"],
         }
 
@@ -66,8 +76,18 @@ class RemoteSearchTool(SearchTool):
     ``{"tool", "query", "top_k"}``. Timeouts and bounded retries; a service that stays down
     becomes a tool error the model sees, never an exception in the rollout loop."""
 
-    def __init__(self, name: str, description: str, url: str, top_k: int = 5, max_top_k: int = 20,
-                 max_doc_chars: int = 200, timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.2):
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        url: str,
+        top_k: int = 5,
+        max_top_k: int = 20,
+        max_doc_chars: int = 200,
+        timeout_s: float = 10.0,
+        retries: int = 2,
+        backoff_s: float = 0.2,
+    ):
         super().__init__(name, description, None, None, top_k, max_top_k, max_doc_chars)
         self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
 
@@ -75,7 +95,9 @@ class RemoteSearchTool(SearchTool):
         body = json.dumps({"tool": self.name, "query": query, "top_k": top_k}).encode()
         last_error = None
         for attempt in range(self.retries + 1):
-            request = urllib.request.Request(f"{self.url}/search", data=body, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"{self.url}/search", data=body, headers={"Content-Type": "application/json"}
+            )
             wait = self.backoff_s * 2**attempt
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -87,7 +109,9 @@ class RemoteSearchTool(SearchTool):
                 last_error = f"HTTP {e.code}: {detail}"
                 wait = max(wait, _retry_after(e.headers.get("Retry-After"), self.timeout_s))
             except MalformedReply as e:
-                raise ToolError("service_error", f"{self.name}: malformed reply from the search service ({e})") from None
+                raise ToolError(
+                    "service_error", f"{self.name}: malformed reply from the search service ({e})"
+                ) from None
             except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
                 last_error = f"{type(e).__name__}: {e}"
             if attempt < self.retries:
@@ -139,5 +163,7 @@ def check_service(url: str, timeout_s: float = 5.0) -> None:
             if json.loads(response.read()).get("ok") is not True:
                 raise ValueError("health check did not answer ok")
     except (urllib.error.URLError, TimeoutError, OSError, ValueError, AttributeError) as e:
-        raise ConnectionError(f"search.remote_url={url}: the tool server is unreachable or unhealthy "
-                              f"({type(e).__name__}: {e}); start it with tools/serve_tools.py") from None
+        raise ConnectionError(
+            f"search.remote_url={url}: the tool server is unreachable or unhealthy "
+            f"({type(e).__name__}: {e}); start it with tools/serve_tools.py"
+        ) from None
