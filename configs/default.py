@@ -37,6 +37,10 @@ def get_config():
     c.model.param_dtype = "float32"  # parameters (as in Flax)
     c.model.dtype = "float32"  # computation: activations and matmuls (as in Flax)
     c.model.remat = False
+    # LoRA adapters (0: full fine-tuning); the base model is then frozen and only the adapters train
+    c.model.lora_rank = 0
+    c.model.lora_alpha = 16.0
+    c.model.lora_targets = "q,k,v,o,gate,up,down"
     # training attention: "" = causal einsums in query chunks of attention_chunk positions (fastest on
     # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
     c.model.attention_impl = ""

@@ -106,10 +106,10 @@ def run_evaluation(
         if not (workdir / "checkpoints").is_dir():
             raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
         components = build(config, workdir, train_tokenizer_if_missing=False)
-        params = restore_params(workdir, components)
+        params = components.updater.full(restore_params(workdir, components))
     else:
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
-        params = components.params
+        params = components.updater.full(components.params)
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
     collector_cfg = dataclasses.replace(
         fitted_slots(components.collector, *eval_rows(components, samples)), temperature=temperature, tool_workers=0
@@ -148,7 +148,7 @@ def run_evaluation(
 
 
 def restore_params(workdir: pathlib.Path, components):
-    """The policy parameters of ``workdir``'s latest checkpoint."""
+    """The trainable parameters of ``workdir``'s latest checkpoint (the adapters, with LoRA)."""
     checkpoints = Checkpoints(workdir)
     try:
         like = abstract_state(components.tx, components.params, jax.random.PRNGKey(0))

@@ -22,7 +22,7 @@ from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_
 from mtrl_jax.data.collection import Collection, Task, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
-from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint
+from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint, lora
 from mtrl_jax.model.sharding import make_mesh
 from mtrl_jax.rl.advantages import ESTIMATORS
 from mtrl_jax.rl.batch import bucket
@@ -98,7 +98,7 @@ class Components:
     mesh: Any  # the global mesh: update, warm-up, log-prob recomputation
     rollout_mesh: Any  # this process's devices (the global mesh itself with one process): rollouts
     model_cfg: ModelConfig
-    params: Any  # the initial policy parameters
+    params: Any  # the initial trainable parameters (every parameter, or the LoRA adapters: updater.frozen is the rest)
     tx: optax.GradientTransformation
     updater: Updater
     collector: CollectorConfig
@@ -256,7 +256,10 @@ def build_chat(
 # ----------------------------------------------------------------------------- model and update
 
 
-def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
+def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
+    """``(model config, frozen parameters, trainable parameters)``: an HF checkpoint or the tiny model; with
+    ``model.lora_rank > 0`` the base is frozen and fresh adapters train (``model/lora.py``), else every
+    parameter trains and the frozen tree is empty."""
     m = config.model
     if m.scan_unroll < 0:
         raise ValueError(f"model.scan_unroll must be >= 0 (0: every layer unrolled), got {m.scan_unroll}")
@@ -266,13 +269,24 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
         attention_chunk=m.attention_chunk,
         scan_unroll=m.scan_unroll,
     )
+    adapters = dict(lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=tuple(csv(m.lora_targets)))
+    if m.param_dtype != "float32" and not m.lora_rank:
+        raise ValueError(
+            f"model.param_dtype={m.param_dtype!r}: the trained parameters would be updated in {m.param_dtype}, where "
+            "an optimizer step at a small learning rate rounds away; keep model.param_dtype='float32' (the master "
+            "copy) with model.dtype='bfloat16' for bfloat16 compute, or train LoRA adapters (model.lora_rank > 0: "
+            "the frozen base may then be bfloat16, the adapters stay float32)"
+        )
     if m.checkpoint:
         model, params = load_hf_checkpoint(m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, **runtime)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}"
             )
-        return model.config, params
+        if not m.lora_rank:
+            return model.config, {}, params
+        cfg = model.config.replace(**adapters)
+        return cfg, params, lora.init_adapters(cfg, rng.key(config.seed, "adapters"), mesh)
     cfg = ModelConfig(
         vocab_size=vocab_size,
         hidden_size=m.tiny_hidden,
@@ -288,8 +302,10 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any]:
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         **runtime,
+        **adapters,
     )
-    return cfg, init_params(cfg, rng.key(config.seed, "params"), mesh)
+    frozen, trainable = lora.split(init_params(cfg, rng.key(config.seed, "params"), mesh))
+    return cfg, frozen, trainable
 
 
 def update_config(config) -> UpdateConfig:
@@ -400,7 +416,7 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
 
 def warmup_settings(config) -> Optional[WarmupSettings]:
     w = config.warmup
-    if not w.steps or config.model.checkpoint:
+    if not w.steps:
         return None
     tools = tuple(csv(config.search.tools))
     top_ks, top_k_probs = parse_top_k_weights(w.teacher_top_k, SearchSettings.max_top_k)
@@ -481,7 +497,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
             f"rollout_max_concurrency={collector_cfg.slots} (generation rows per process) must be a multiple of "
             f"the {rows} devices the rows are split over (data x fsdp of the rollout mesh {dict(rollout_mesh.shape)})"
         )
-    model_cfg, params = build_model(config, chat.vocab_size, mesh)
+    model_cfg, frozen, params = build_model(config, chat.vocab_size, mesh)
     o = config.optim
     tx = make_optimizer(
         o.learning_rate,
@@ -502,7 +518,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
         model_cfg=model_cfg,
         params=params,
         tx=tx,
-        updater=Updater(model_cfg, update_cfg, tx, mesh),
+        updater=Updater(model_cfg, update_cfg, tx, mesh, frozen),
         collector=collector_cfg,
         schedule=schedule,
         run=run,

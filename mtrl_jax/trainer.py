@@ -62,8 +62,11 @@ class Trainer:
         self.stop_requested = False
         self.nonfinite = NonFiniteGuard(run.max_nonfinite_steps)
 
-    def publish(self, params, version: int) -> None:  # a copy on this process's devices with several processes
-        self.published.publish(distributed.to_rollout_mesh(params, self.c.rollout_mesh), version)
+    def publish(self, trainable, version: int) -> None:
+        """The policy of these trainable parameters to the rollouts (a copy on this process's devices with several)."""
+        self.published.publish(
+            distributed.to_rollout_mesh(self.c.updater.full(trainable), self.c.rollout_mesh), version
+        )
 
     def trajectory_file(self, name: str):
         """Where a step's or an evaluation's trajectories go; None: not written (by this process)."""
@@ -157,7 +160,7 @@ class Trainer:
         if not self.collector.config.precompile:
             return None
         # the evaluation's shapes first: it runs first
-        return BackgroundCompile((self.eval_collector, self.collector), self.state.params)
+        return BackgroundCompile((self.eval_collector, self.collector), self.c.updater.full(self.state.params))
 
     def _step(self, step: int, async_rollouts) -> dict:
         """RL step ``step``: its groups (from the rollout thread, or collected now), the update, the

@@ -31,6 +31,7 @@ import optax
 
 from mtrl_jax import rng as seeds
 from mtrl_jax.chat import render_answer, render_tool_call
+from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
@@ -326,13 +327,15 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
 
 
 def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
-    """The jitted warm-up step ``(params, opt_state, tokens, attention, loss_mask) -> (params,
-    opt_state, loss)``: mean cross-entropy on the loss-mask tokens. With a non-empty ``shared``
-    prefix the rows are what follows it, and it is computed once (``shared_prefix_logprobs``).
-    The optimizer state is donated; the parameters are not (the caller's may be published)."""
+    """The jitted warm-up step ``(params, opt_state, frozen, tokens, attention, loss_mask) -> (params,
+    opt_state, loss)``: mean cross-entropy on the loss-mask tokens, trained on ``params`` (the trainable
+    parameters; ``frozen`` the rest of the model, ``lora.split``). With a non-empty ``shared`` prefix the
+    rows are what follows it, and it is computed once (``shared_prefix_logprobs``). The optimizer state is
+    donated; the parameters are not (the caller's may be published)."""
     P = len(shared)
 
-    def loss_fn(params, tok, att, mask):
+    def loss_fn(trainable, frozen, tok, att, mask):
+        params = lora.merge(frozen, trainable)
         if P:
             logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
         else:
@@ -340,8 +343,8 @@ def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared
         return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, opt_state, tok, att, mask):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tok, att, mask)
+    def step(params, opt_state, frozen, tok, att, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, frozen, tok, att, mask)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -366,10 +369,12 @@ def supervised_warmup(
     mesh=None,
     logprob_chunk: int = 512,
     share_prefix: bool = True,
+    frozen=None,
 ) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
-    exactly where it stopped).
+    exactly where it stopped). ``params`` are the trainable parameters (the LoRA adapters; ``frozen``
+    the rest of the model, or None when every parameter trains).
 
     The first assistant turn (the tool call, which has to copy the question) carries most of what
     there is to learn, and it comes early in the sequence: so every step but one in ``full_every``
@@ -411,6 +416,7 @@ def supervised_warmup(
         grouped(lambda m: turn_end(m, 2)) if two_turn_every and any(assistant_turns(m) > 2 for _, m in demos) else None
     )
 
+    frozen = {} if frozen is None else frozen
     step = warmup_step(model_cfg, tx, shared, logprob_chunk)
     rng = np.random.default_rng(seed)
     if resume is None:
@@ -431,7 +437,7 @@ def supervised_warmup(
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
             params, opt_state, loss = step(
-                params, opt_state, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh)
+                params, opt_state, frozen, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh)
             )
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
@@ -489,6 +495,7 @@ def warm_up(
         share_prefix=cfg.share_prefix,
         full_every=cfg.full_every,
         two_turn_every=cfg.two_turn_every,
+        frozen=components.updater.frozen,
     )
 
 

@@ -259,7 +259,7 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
     seen = []
 
     def recording_step(model_cfg, tx, shared, logprob_chunk=512):
-        def step(params, opt_state, tokens, attention, loss_mask):
+        def step(params, opt_state, frozen, tokens, attention, loss_mask):
             mask = np.asarray(loss_mask)
             seen.append(max(warmup.assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0

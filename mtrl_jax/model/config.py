@@ -13,6 +13,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# the projections LoRA can adapt (mtrl_jax/model/lora.py)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,6 +55,11 @@ class ModelConfig:
     # "cudnn": ``jax.nn.dot_product_attention`` with that implementation (cuDNN's fused kernel on GPU).
     attention_impl: Optional[str] = None
     attention_chunk: int = 128
+    # LoRA adapters on ``lora_targets`` (a subset of LORA_TARGETS) of rank ``lora_rank`` (0: none), scaled by
+    # ``lora_alpha / lora_rank``; their parameters are always float32 (mtrl_jax/model/lora.py)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
     # The original HF config.json (as JSON text), kept so an export round-trips extra fields.
     hf_config_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -73,6 +80,13 @@ class ModelConfig:
             )
         if self.attention_chunk < 1:
             raise ValueError(f"attention_chunk must be >= 1, got {self.attention_chunk}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"lora_targets must be a non-empty subset of {LORA_TARGETS}, got {self.lora_targets}")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
 
     @property
     def compute_dtype(self):

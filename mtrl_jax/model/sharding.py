@@ -31,6 +31,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Optional[str | tuple[str, ...]]], ...] = (
     ("head_dim", None),
     ("norm", None),
     ("layers", None),
+    ("lora", None),  # an adapter's rank: its other axes follow the weight it adapts
     # activations
     ("act_batch", ("data", "fsdp")),
     ("act_length", None),

@@ -197,6 +197,30 @@ def _param(module: nn.Module, name: str, shape, axes, init=None):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, module.config.params_dtype)
 
 
+def project(module: nn.Module, target: str, name: str, x: Array, w: Array, axes: tuple, contract: int = 1) -> Array:
+    """``x @ w`` (``dense``) in the compute dtype, plus its LoRA update when ``target`` is adapted."""
+    out = dense(x, w.astype(module.config.compute_dtype), contract)
+    update = lora_update(module, target, name, x, w.shape, axes, contract)
+    return out if update is None else out + update
+
+
+def lora_update(module: nn.Module, target: str, name: str, x: Array, shape: tuple, axes: tuple, contract: int = 1):
+    """``(alpha / r) (x A) B`` of the weight ``name`` (``shape``, logical ``axes``) when ``target`` is adapted,
+    else None: ``A [*shape[:contract], r]`` random and ``B [r, *shape[contract:]]`` zero at initialisation,
+    float32 parameters with the weight's logical axes and a replicated ``lora`` axis (mtrl_jax/model/lora.py)."""
+    cfg = module.config
+    if not cfg.lora_rank or target not in cfg.lora_targets:
+        return None
+    r, dtype = cfg.lora_rank, cfg.compute_dtype
+    a_init = nn.with_logical_partitioning(
+        nn.initializers.normal(math.prod(shape[:contract]) ** -0.5), (*axes[:contract], "lora")
+    )
+    b_init = nn.with_logical_partitioning(nn.initializers.zeros, ("lora", *axes[contract:]))
+    a = module.param(f"{name}_lora_a", a_init, (*shape[:contract], r), jnp.float32)
+    b = module.param(f"{name}_lora_b", b_init, (r, *shape[contract:]), jnp.float32)
+    return dense(dense(x, a.astype(dtype), contract), b.astype(dtype)) * jnp.asarray(cfg.lora_alpha / r, dtype)
+
+
 class RMSNorm(nn.Module):
     config: ModelConfig
 
@@ -228,9 +252,9 @@ class Attention(nn.Module):
         wk = _param(self, "k_proj", (D, K, H), ("embed", "kv_heads", "head_dim"))
         wv = _param(self, "v_proj", (D, K, H), ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "o_proj", (N, H, D), ("heads", "head_dim", "embed"))
-        q = dense(x, wq.astype(dtype))
-        k = dense(x, wk.astype(dtype))
-        v = dense(x, wv.astype(dtype))
+        q = project(self, "q", "q_proj", x, wq, ("embed", "heads", "head_dim"))
+        k = project(self, "k", "k_proj", x, wk, ("embed", "kv_heads", "head_dim"))
+        v = project(self, "v", "v_proj", x, wv, ("embed", "kv_heads", "head_dim"))
         if cfg.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + _param(self, "q_bias", (N, H), ("heads", "head_dim"), zeros).astype(dtype)
@@ -291,7 +315,7 @@ class Attention(nn.Module):
                 mask=mask,
                 implementation=None if cfg.attention_impl == "xla" else cfg.attention_impl,
             )
-        out = dense(out, wo.astype(dtype), contract=2)
+        out = project(self, "o", "o_proj", out, wo, ("heads", "head_dim", "embed"), contract=2)
         return out, cache_kv
 
 
@@ -304,11 +328,17 @@ class MLP(nn.Module):
         D, F, dtype = cfg.hidden_size, cfg.intermediate_size, cfg.compute_dtype
         gate = _param(self, "gate_proj", (D, F), ("embed", "mlp"))
         up = _param(self, "up_proj", (D, F), ("embed", "mlp"))
-        h = nn.silu(dense(x, gate.astype(dtype))) * dense(x, up.astype(dtype))
+        h = nn.silu(project(self, "gate", "gate_proj", x, gate, ("embed", "mlp"))) * project(
+            self, "up", "up_proj", x, up, ("embed", "mlp")
+        )
         h = nn.with_logical_constraint(h, ("act_batch", "act_length", "act_mlp"))
         if self.has_variable("params", "down_proj_t"):  # [D, F]: the decode layout (``unstack_layers``)
-            return jnp.einsum("...f,df->...d", h, self.get_variable("params", "down_proj_t").astype(dtype))
-        return dense(h, _param(self, "down_proj", (F, D), ("mlp", "embed")).astype(dtype))
+            out = jnp.einsum("...f,df->...d", h, self.get_variable("params", "down_proj_t").astype(dtype))
+            update = lora_update(self, "down", "down_proj", h, (F, D), ("mlp", "embed"))
+            return out if update is None else out + update
+        return project(
+            self, "down", "down_proj", h, _param(self, "down_proj", (F, D), ("mlp", "embed")), ("mlp", "embed")
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -514,13 +544,15 @@ def abstract_params(cfg: ModelConfig):
     return jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), tokens))["params"]
 
 
+def init_params_fn(cfg: ModelConfig, rng: Array):
+    """A function that returns random parameters (plain pytree): jit it, with output shardings if wanted."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return lambda: nn.unbox(Transformer(cfg).init(rng, tokens)["params"])
+
+
 def init_params(cfg: ModelConfig, rng: Array, mesh=None):
     """Random parameters (plain pytree), created directly sharded when ``mesh`` is given."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-
-    def init():
-        return nn.unbox(Transformer(cfg).init(rng, tokens)["params"])
-
+    init = init_params_fn(cfg, rng)
     if mesh is None:
         return jax.jit(init)()
     return jax.jit(init, out_shardings=param_shardings(abstract_params(cfg), mesh))()

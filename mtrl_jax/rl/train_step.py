@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, constrain_rows, on_mesh, place_batch
 from mtrl_jax.rl import advantages as advantages_lib
@@ -171,7 +172,7 @@ def by_length(attention_mask: jax.Array, rows: jax.Array, group: int) -> jax.Arr
 
 
 def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
-    return values.max() if name.endswith(("_max", "_max_dev")) else values.mean()
+    return values.max() if name.endswith(("_max", "_max_dev", "_max_abs_dev")) else values.mean()
 
 
 def score(
@@ -216,11 +217,18 @@ def update_step(
     state: TrainState,
     batch: TrajectoryBatch,
     ref_params=None,
+    frozen=None,
 ) -> tuple[TrainState, dict]:
     """All optimizer steps for one batch of ``P x G`` trajectories (``batch``'s arrays ``[B, T]`` /
-    ``[B]``); returns the new state and device metrics: scalars, and ``advantages [B]``. Jit it with ``model_cfg``,
-    ``cfg``,
-    ``tx`` and ``batch.group_size`` static (``Updater`` does)."""
+    ``[B]``); returns the new state and device metrics: scalars, and ``advantages [B]``. Jit it with
+    ``model_cfg``, ``cfg``, ``tx`` and ``batch.group_size`` static (``Updater`` does).
+
+    ``state.params`` are the trainable parameters (the adapters, with LoRA) and ``frozen`` the rest of
+    the model (``lora.split``; empty without adapters): the gradient, the optimizer and the reference
+    (``ref_params``, trainable-shaped) cover the trainable ones only, the forward pass sees both.
+
+    With one optimizer step per batch (``update_epochs = mini_batches = 1``) and ``old_logp="recompute"``,
+    the old policy is the current one: its log-probs are the training forward's own (no separate pass)."""
     B = batch.tokens.shape[0]
     if B % cfg.rows_per_micro_batch_divisor:
         raise ValueError(
@@ -231,15 +239,20 @@ def update_step(
     T = batch.tokens.shape[1]
     buckets = length_buckets(T, cfg.length_bucket, shortest=cfg.min_length)
     rows_per_micro = B // cfg.rows_per_micro_batch_divisor
-    logprobs = functools.partial(
-        sequence_logprobs, model_cfg, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk
-    )
+    frozen = {} if frozen is None else frozen
+
+    def logprobs(trainable, tokens, attention_mask):
+        return sequence_logprobs(
+            model_cfg, lora.merge(frozen, trainable), tokens, attention_mask, cfg.temperature, cfg.logprob_chunk
+        )
+
     loss_mask = batch.loss_mask.astype(jnp.float32)
     adv = advantages_lib.compute(
         cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
     )
     scored = []  # parameter sets whose log-probs the update needs before its first step
-    if cfg.old_logp == "recompute":
+    one_step = cfg.update_epochs * cfg.mini_batches == 1  # the old policy is the one the only step starts from
+    if cfg.old_logp == "recompute" and not one_step:
         scored.append(("old_logp", state.params))
     if obj.kl_coef:
         if ref_params is None:
@@ -270,7 +283,7 @@ def update_step(
                 first_epoch,
             )
         )
-    old_logp = data["old_logp"]
+    old_logp = data["old_logp"]  # the behaviour log-probs where the training forward gives the old ones (one_step)
 
     # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
     # current parameters (the old policy always; the reference at the first RL step) takes the training
@@ -293,7 +306,7 @@ def update_step(
                 for name, same in current.items()
             },
         }
-        return objective(
+        loss, metrics = objective(
             obj,
             logp,
             micro["old_logp"],
@@ -304,6 +317,8 @@ def update_step(
             ref_logp=micro.get("ref_logp"),
             **norms,
         )
+        dev = jnp.abs(jax.lax.stop_gradient(micro["old_logp"]) - micro["behav_logp"]) * micro["loss_mask"]
+        return loss, {**metrics, "behav_logp_max_abs_dev": jnp.max(dev)}
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -358,7 +373,10 @@ def update_step(
     metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
     metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
     metrics["skipped_steps"] = skipped
-    metrics["behav_logp_max_abs_dev"] = jnp.max(jnp.abs(old_logp - batch.behav_logp) * loss_mask)
+    if not (cfg.old_logp == "recompute" and one_step):  # else the training forward measured it (first mini-batch)
+        metrics["behav_logp_max_abs_dev"] = jnp.max(jnp.abs(old_logp - batch.behav_logp) * loss_mask)
+    else:
+        metrics["behav_logp_max_abs_dev"] = history["behav_logp_max_abs_dev"][0]
     metrics["advantage_mean"] = adv.mean()
     metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
     metrics["advantages"] = adv  # [B]: each trajectory's advantage (the trainer writes it to its record)
@@ -376,14 +394,20 @@ class Updater:
         config: UpdateConfig,
         tx: optax.GradientTransformation,
         mesh: Optional[Mesh] = None,
+        frozen=None,
     ):
         self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
+        # the parameters that do not train (the base model under LoRA adapters; empty without): every call
+        # passes them, as an argument (not a constant baked into the program), never to the optimizer
+        self.frozen = {} if frozen is None else frozen
 
         # The optimizer state is donated: the new moments are written over the old ones, which saves
         # twice the parameters' size (Adam) at the update's peak. The parameters are not: they are
         # also the collector's published parameters, in use until the new ones are published.
-        def step_fn(params, opt_state, step, rng, batch, ref_params):
-            return update_step(model_cfg, config, tx, TrainState(params, opt_state, step, rng), batch, ref_params)
+        def step_fn(params, opt_state, step, rng, batch, ref_params, frozen):
+            return update_step(
+                model_cfg, config, tx, TrainState(params, opt_state, step, rng), batch, ref_params, frozen
+            )
 
         self._update = jax.jit(step_fn, donate_argnames=("opt_state",))
         self._compiled: dict = {}  # signature -> the program warm() compiled ahead of time
@@ -396,6 +420,10 @@ class Updater:
         arrays = (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp, batch.reward)
         return tuple((tuple(x.shape), str(x.dtype)) for x in arrays) + (batch.group_size, ref_params is None)
 
+    def full(self, trainable):
+        """The whole parameter tree of the policy whose trainable part is ``trainable`` (what the sampler runs)."""
+        return lora.merge(self.frozen, trainable)
+
     def init_state(self, params, rng) -> TrainState:
         with activate(self.mesh):
             return on_mesh(init_state(self.tx, params, rng), self.mesh)
@@ -404,7 +432,7 @@ class Updater:
         """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
         ``.compile()`` and its memory and cost analyses (``tools/plan_scale.py``)."""
         with activate(self.mesh):
-            return self._update.lower(*state, batch, ref_params)
+            return self._update.lower(*state, batch, ref_params, self.frozen)
 
     def warm(
         self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool
@@ -440,7 +468,7 @@ class Updater:
             thread.join()  # warm() is compiling this very program
         update = self._compiled.get(signature, self._update)
         with activate(self.mesh):
-            return update(*state, place_batch(batch, self.mesh), ref_params)
+            return update(*state, place_batch(batch, self.mesh), ref_params, self.frozen)
 
 
 class NonFiniteGuard:

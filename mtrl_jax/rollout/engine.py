@@ -150,7 +150,7 @@ class Sampler:
         self._extend, self._decode, self._init, self._share, self._forget, self._programs = _compiled(
             self.cfg, self.mesh
         )
-        self._params = None  # a weak reference to a leaf of the parameters the cache entries were computed with
+        self._params = None  # weak references to the leaves of the parameters the cache entries were computed with
 
     @property
     def _max_lines(self) -> int:
@@ -307,11 +307,16 @@ class Sampler:
 
     def _current(self, params, state: SamplerState) -> SamplerState:
         """``state`` with its record of shareable entries cleared if ``params`` are not the ones its
-        entries were computed with (a weak reference: the sampler keeps no parameters alive)."""
-        leaf = jax.tree.leaves(params)[0]
-        if self._params is not None and self._params() is leaf:
+        entries were computed with: every leaf the same array (weak references: the sampler keeps no
+        parameters alive; with LoRA only the adapters change, so the first leaf would not tell)."""
+        leaves = jax.tree.leaves(params)
+        if (
+            self._params is not None
+            and len(self._params) == len(leaves)
+            and all(ref() is leaf for ref, leaf in zip(self._params, leaves))
+        ):
             return state
-        self._params = weakref.ref(leaf)
+        self._params = [weakref.ref(leaf) for leaf in leaves]
         with activate(self.mesh):
             return self._run(("forget", self.slots, self.max_len), self._forget, (state,), {}, {})
 
