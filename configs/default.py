@@ -167,6 +167,16 @@ def get_config():
     # extra demonstrations per question whose teacher always hops, with no loss on the token that decides
     # to hop (the second turn's first): more of the copy to learn, the same learnt probability of hopping
     c.warmup.hop_drills = 2
+    # NAME:WEIGHT,... what the second search looks for: "identifier" (a word with a digit shown in the results),
+    # "title" (a result's title: an entity to follow), "keywords" (the question's content words)
+    c.warmup.teacher_hop_queries = "identifier:1"
+    # NAME:WEIGHT,... how the teacher answers: "empty" (the environment's answer_fallback ranks the results) or
+    # "ids" (the ids the searches showed, in order)
+    c.warmup.teacher_answers = "empty:1"
+    # rejection sampling: draw this many demonstrations per training task and keep those whose reward (on the
+    # training task's own judgments) is at least min_reward (-1: keep all)
+    c.warmup.samples_per_task = 1
+    c.warmup.min_reward = -1.0
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -36,7 +36,7 @@ from mtrl_jax.rollout.selection import TRUNCATION_MODES, GroupSelector
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.search.tools import check_service
-from mtrl_jax.warmup import parse_tool_weights, parse_top_k_weights
+from mtrl_jax.warmup import ANSWERS, HOP_QUERIES, parse_choices, parse_tool_weights, parse_top_k_weights
 
 
 def csv(text: str) -> list[str]:
@@ -86,6 +86,12 @@ class WarmupSettings:
     two_turn_every: int = (
         2  # one step in this many on the demonstrations cut after their second turn (warmup.two_turn_every)
     )
+    hop_queries: tuple[str, ...] = ("identifier",)  # what the second search looks for (warmup.teacher_hop_queries)
+    hop_query_probs: tuple[float, ...] = (1.0,)
+    answers: tuple[str, ...] = ("empty",)  # how the teacher answers (warmup.teacher_answers)
+    answer_probs: tuple[float, ...] = (1.0,)
+    samples_per_task: int = 1  # demonstrations drawn per training task (warmup.samples_per_task)
+    min_reward: Optional[float] = None  # rejection sampling: keep demonstrations at least this good (warmup.min_reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,6 +434,12 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.full_every must be >= 1, got {w.full_every}")
     if w.two_turn_every < 0:
         raise ValueError(f"warmup.two_turn_every must be >= 0 (0: never), got {w.two_turn_every}")
+    if w.samples_per_task < 1:
+        raise ValueError(f"warmup.samples_per_task must be >= 1, got {w.samples_per_task}")
+    if not -1.0 <= w.min_reward <= 1.0:
+        raise ValueError(f"warmup.min_reward must be in [-1, 1] (-1: keep every demonstration), got {w.min_reward}")
+    hop_queries, hop_query_probs = parse_choices(w.teacher_hop_queries, HOP_QUERIES, "warmup.teacher_hop_queries")
+    answers, answer_probs = parse_choices(w.teacher_answers, ANSWERS, "warmup.teacher_answers")
     return WarmupSettings(
         steps=w.steps,
         batch_size=w.batch_size,
@@ -443,6 +455,12 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         share_prefix=bool(w.share_prefix),
         full_every=int(w.full_every),
         two_turn_every=int(w.two_turn_every),
+        hop_queries=hop_queries,
+        hop_query_probs=tuple(hop_query_probs.tolist()),
+        answers=answers,
+        answer_probs=tuple(answer_probs.tolist()),
+        samples_per_task=int(w.samples_per_task),
+        min_reward=None if w.min_reward <= -1.0 else float(w.min_reward),
     )
 
 

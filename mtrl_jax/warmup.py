@@ -37,6 +37,7 @@ from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
 from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
+from mtrl_jax.search.text import STOPWORDS
 
 
 def _parse_weights(text: str, field: str, what: str, parse_key) -> dict:
@@ -76,6 +77,21 @@ def parse_tool_weights(text: str, tool_names: Sequence[str], field: str = "warmu
     weights = _parse_weights(text, field, f"TOOL (one of {list(tool_names)})", tool)
     w = np.array([weights.get(n, 0.0) for n in tool_names])
     return w / w.sum()
+
+
+def parse_choices(text: str, allowed: Sequence[str], field: str) -> tuple[tuple[str, ...], np.ndarray]:
+    """``"title:1,keywords:2"`` -> ``(("title", "keywords"), probabilities)``: the named choices of weight
+    > 0 (in ``allowed``'s order) and their probabilities; a name not in ``allowed`` is an error naming ``field``."""
+
+    def choice(name):
+        if name not in allowed:
+            raise ValueError
+        return name
+
+    weights = _parse_weights(text, field, f"NAME (one of {list(allowed)})", choice)
+    names = tuple(n for n in allowed if weights.get(n, 0.0) > 0)
+    w = np.array([weights[n] for n in names])
+    return names, w / w.sum()
 
 
 def parse_top_k_weights(text: str, max_top_k: int) -> tuple[list, np.ndarray]:
@@ -145,8 +161,10 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
     ]
 
 
-_RESULT_LINE = re.compile(r"^\[\d+\] \S+ \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
+_RESULT_LINE = re.compile(r"^\[\d+\] (\S+) \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
 _PUNCTUATION = ".,;:!?'\"()[]|"
+HOP_QUERIES = ("identifier", "title", "keywords")  # warmup.teacher_hop_queries
+ANSWERS = ("empty", "ids")  # warmup.teacher_answers
 
 
 def result_identifiers(tool_output: str, question: str) -> list[str]:
@@ -159,19 +177,52 @@ def result_identifiers(tool_output: str, question: str) -> list[str]:
         match = _RESULT_LINE.match(line)
         if match is None:
             continue
-        for word in match.group(1).split():
+        for word in match.group(2).split():
             word = word.strip(_PUNCTUATION)
             if _has_digit(word) and word not in asked and word not in found:
                 found.append(word)
     return found
 
 
+def result_titles(tool_output: str, question: str) -> list[str]:
+    """The distinct titles of the results a search showed (``[rank] id | title | text``), in order, but
+    the question itself: the entities a second search can follow (a multi-hop question's bridge)."""
+    found = []
+    for line in tool_output.splitlines():
+        match = _RESULT_LINE.match(line)
+        if match is None or " | " not in match.group(2):
+            continue
+        title = match.group(2).split(" | ", 1)[0].strip()
+        if title and title.lower() != question.strip().lower() and title not in found:
+            found.append(title)
+    return found
+
+
+def result_ids(tool_output: str) -> list[str]:
+    """The document ids the searches showed, in order of appearance, each once."""
+    found = []
+    for line in tool_output.splitlines():
+        match = _RESULT_LINE.match(line)
+        if match is not None and match.group(1) not in found:
+            found.append(match.group(1))
+    return found
+
+
+def question_keywords(question: str) -> list[str]:
+    """The question rewritten as its content words (stop words and punctuation dropped), or nothing when
+    that changes nothing."""
+    words = [w.strip(_PUNCTUATION) for w in question.split()]
+    kept = " ".join(w for w in words if w and w.lower() not in STOPWORDS)
+    return [kept] if kept and kept != question.strip() else []
+
+
 class TeacherPolicy:
     """The scripted teacher of one episode (see ``teacher_turns``): called with the messages so far,
     returns the assistant's next turn."""
 
-    def __init__(self, render, first, second, pick: float):
+    def __init__(self, render, first, second, pick: float, hop_query: str = "identifier", answer: str = "empty"):
         self.render, self.first, self.second, self.pick = render, first, second, pick
+        self.hop_query, self.answer = hop_query, answer
 
     @property
     def hops(self) -> bool:
@@ -179,17 +230,19 @@ class TeacherPolicy:
 
     def without_hop(self) -> "TeacherPolicy":
         """The same episode with no second search (when the hop's results overflow the context)."""
-        return TeacherPolicy(self.render, self.first, None, 0.0)
+        return TeacherPolicy(self.render, self.first, None, 0.0, self.hop_query, self.answer)
 
     def __call__(self, messages) -> str:
         if messages[-1]["role"] == "user":
             return self.render(self.first, messages[-1]["content"])
+        shown = "\n".join(m["content"] for m in messages if m["role"] == "tool")
         if self.second is not None and sum(m["role"] == "assistant" for m in messages) == 1:
             question = next(m["content"] for m in messages if m["role"] == "user")
-            shown = result_identifiers("\n".join(m["content"] for m in messages if m["role"] == "tool"), question)
-            if shown:
-                return self.render(self.second, shown[int(self.pick * len(shown))])
-        return render_answer([])
+            candidates = {"identifier": result_identifiers, "title": result_titles}.get(self.hop_query)
+            queries = candidates(shown, question) if candidates else question_keywords(question)
+            if queries:
+                return self.render(self.second, queries[int(self.pick * len(queries))])
+        return render_answer(result_ids(shown)[:10] if self.answer == "ids" else [])
 
 
 def teacher_turns(
@@ -200,13 +253,23 @@ def teacher_turns(
     top_k_probs: Optional[np.ndarray] = None,
     hop: float = 0.0,
     hop_probs: Optional[np.ndarray] = None,
+    hop_queries: Sequence[str] = ("identifier",),
+    hop_query_probs: Optional[np.ndarray] = None,
+    answers: Sequence[str] = ("empty",),
+    answer_probs: Optional[np.ndarray] = None,
 ) -> TeacherPolicy:
     """A scripted policy: a search with the question verbatim; with probability ``hop`` a second
-    search on an identifier (``result_identifiers``) drawn uniformly from the first search's results
-    (none shown: no second search); then an empty answer. The first search's tool is drawn from
-    ``probs``, the second's from ``hop_probs`` (both uniform by default), each search's number of
-    results from ``top_ks`` with ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the
-    question. Every draw is made here, in a fixed order."""
+    search on a query drawn uniformly from the first search's results, of a kind drawn from
+    ``hop_queries`` (an identifier, ``result_identifiers``; a result's title, ``result_titles``; or the
+    question's content words, ``question_keywords``; none to follow: no second search); then an answer
+    of a kind drawn from ``answers`` ("empty": the environment's fallback ranks the results; "ids": the
+    ids the searches showed, in order). The first search's tool is drawn from ``probs``, the second's
+    from ``hop_probs`` (both uniform by default), each search's number of results from ``top_ks`` with
+    ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the question. Every draw is made here,
+    in a fixed order; a choice with a single option draws nothing."""
+
+    def pick_one(options, p):
+        return options[0] if len(options) == 1 else options[rng.choice(len(options), p=p)]
 
     def draw(p=probs):
         return tool_names[rng.choice(len(tool_names), p=p)], top_ks[rng.choice(len(top_ks), p=top_k_probs)]
@@ -217,7 +280,9 @@ def teacher_turns(
 
     first = draw()
     second = draw(hop_probs) if hop > 0 and rng.random() < hop else None
-    return TeacherPolicy(render, first, second, rng.random() if second is not None else 0.0)
+    pick = rng.random() if second is not None else 0.0
+    hop_query = pick_one(hop_queries, hop_query_probs) if second is not None else hop_queries[0]
+    return TeacherPolicy(render, first, second, pick, hop_query, pick_one(answers, answer_probs))
 
 
 def settings_teacher(settings, rng: np.random.Generator, hop: Optional[float] = None) -> TeacherPolicy:
@@ -231,17 +296,27 @@ def settings_teacher(settings, rng: np.random.Generator, hop: Optional[float] = 
         np.array(settings.top_k_probs),
         settings.hop if hop is None else hop,
         np.array(settings.hop_tool_probs),
+        settings.hop_queries,
+        np.array(settings.hop_query_probs),
+        settings.answers,
+        np.array(settings.answer_probs),
     )
 
 
-def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
-    """Run the scripted ``policy`` through the episode driver and return the trajectory's
-    ``(tokens, loss mask)``: exactly what the collector would have produced had the policy sampled
-    these turns. A teacher's hop whose results overflow the context is left out (the episode is
-    demonstrated without it)."""
+def demonstration_run(driver: EpisodeDriver, task, policy):
+    """Run the scripted ``policy`` through the episode driver: the finished ``EpisodeRun``, whose trajectory
+    is exactly what the collector would have produced had the policy sampled these turns, and whose
+    episode holds the reward. A teacher's hop whose results overflow the context is left out (the episode
+    is demonstrated without it)."""
     run = run_scripted(driver, task, policy)
     if run.episode.status == "context_limit" and isinstance(policy, TeacherPolicy) and policy.hops:
         run = run_scripted(driver, task, policy.without_hop())
+    return run
+
+
+def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int], list[int]]:
+    """``demonstration_run``'s ``(tokens, loss mask)``; an episode that does not end well is an error."""
+    run = demonstration_run(driver, task, policy)
     if run.episode.status != "ok":
         raise RuntimeError(f"scripted demonstration failed on {task.task_id}: {run.episode.status}")
     return run.trajectory.tokens, run.trajectory.loss_mask
@@ -445,23 +520,43 @@ def supervised_warmup(
     return WarmupProgress(params, opt_state, steps, rng.bit_generator.state, losses)
 
 
-def demonstrations(components) -> list[tuple[list[int], list[int]]]:
+def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     """The scripted teacher's ``(tokens, loss mask)`` demonstrations of every training task and its
     augmented variants (``components.warmup`` settings), rendered through the episode driver; the
-    same, seeded, on every call."""
+    same, seeded, on every call.
+
+    ``samples_per_task`` demonstrations are drawn per task (each with its own draws of the teacher). With
+    ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
+    (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration). A
+    demonstration that does not end well (its results overflow the context) is dropped and counted."""
     cfg = components.warmup
     rng = np.random.default_rng(seeds.numpy_seed(components.run.seed, "demonstrations"))
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
-    demos = []
+    demos, drawn, rejected, failed = [], 0, 0, 0
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            demos.append(demonstration_tokens(driver, variant, settings_teacher(cfg, rng)))
+            for _ in range(cfg.samples_per_task):
+                run = demonstration_run(driver, variant, settings_teacher(cfg, rng))
+                drawn += 1
+                if run.episode.status != "ok":
+                    failed += 1
+                elif cfg.min_reward is not None and variant.qrels and run.episode.reward < cfg.min_reward:
+                    rejected += 1
+                else:
+                    demos.append((run.trajectory.tokens, run.trajectory.loss_mask))
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
                 tokens, mask = demonstration_tokens(driver, variant, settings_teacher(cfg, rng, hop=1.0))
                 if assistant_turns(mask) > 2:
                     demos.append((tokens, decision_untrained(mask)))
+    if log and (rejected or failed):
+        log(
+            f"demonstrations: {drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, "
+            f"{failed} past the context"
+        )
+    if not demos:
+        raise ValueError(f"no demonstration left for the warm-up ({drawn} drawn, {rejected} rejected, {failed} failed)")
     return demos
 
 
@@ -474,7 +569,7 @@ def warm_up(
 ) -> WarmupProgress:
     """The embedded default's warm-up of ``params``: ``supervised_warmup`` on ``demonstrations``."""
     cfg = components.warmup
-    demos = demonstrations(components)
+    demos = demonstrations(components, log)
     log(
         f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else "")
