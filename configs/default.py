@@ -78,6 +78,8 @@ def get_config():
     c.env.max_turns = 4
     c.env.answer_fallback = "fusion"
     c.env.max_answer_docs = 10
+    # a call identical to one the episode made before: "error" (a tool error saying so) or "run" (run again)
+    c.env.repeated_calls = "error"
     c.env.tool_prompt = "compact"  # "schemas" (Qwen's JSON schemas in the system message), "template" (the chat
     # template renders them), "auto" (template if the checkpoint's template renders tools, else schemas)
 
@@ -181,6 +183,7 @@ def get_config():
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL
     c.eval.temperature = 0.0  # greedy
+    c.eval.before_warmup = False  # also evaluate the base policy before the warm-up (summary.json's "base")
 
     c.checkpoint = config_dict.ConfigDict()
     c.checkpoint.every_steps = 4

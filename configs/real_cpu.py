@@ -1,14 +1,14 @@
-"""A real instruction-tuned model (SmolLM2-135M-Instruct) trained with MTRL on a real collection, on
-2 CPU cores, within 8 GiB of memory.
+"""A real instruction-tuned model (SmolLM2-135M-Instruct) taught to search on the four shared collections,
+on 2 CPU cores: a cold start (supervised warm-up on scripted demonstrations rendered with the checkpoint's
+own chat template), then MTRL, with an evaluation before each and after RL.
 
     python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
     python -m experiments.run --config=configs/real_cpu.py --workdir=workdirs/real_cpu
 
-The checkpoint renders its prompts with its own chat template (``model.chat_template="checkpoint"``;
-SmolLM2's ignores tools, so they are described in the system message: ``env.tool_prompt="auto"``).
-Short contexts and small groups keep a step to a few minutes. Other models: set
-``--config.model.checkpoint=models/qwen2.5-coder-0.5b-instruct``. Memory: the KV cache is
-``rollout_max_concurrency`` (at most the step's episodes) x ``rollout.max_len`` tokens.
+LoRA adapters train (the 135M base is frozen); the demonstrations are built from the training queries
+of a weighted mixture of the collections, never from the held-out ones. SmolLM2's chat template does
+not render tools, so they are described in a compact system prompt. Another model:
+``--config.model.checkpoint=...`` (see configs/real_cpu_qwen.py for Qwen2.5-Coder-0.5B-Instruct).
 """
 
 from configs import default
@@ -17,40 +17,59 @@ from configs import default
 def get_config():
     c = default.get_config()
     c.unlock()
-    c.max_steps = 8
-    c.global_batch_size = 4  # queries per step
+    c.max_steps = 24  # RL steps
+    c.global_batch_size = 4  # queries per RL step
     c.rollout_max_concurrency = 16  # = global_batch_size x group_size: one generation batch per step
     c.model.checkpoint = "models/smollm2-135m-instruct"
     c.model.chat_template = "checkpoint"
     c.model.scan_unroll = 1  # a loop over the 30 layers: compiles in seconds, not minutes
     c.model.remat = True  # the update keeps one layer's activations at a time
+    c.model.lora_rank = 16
+    c.model.lora_alpha = 32.0
     c.data.synthetic = False
-    c.data.folders = "../shared/data/cranfield"
-    c.data.validation_min = 50  # held-out queries per collection (all but one of a smaller one)
+    c.data.folders = ",".join(
+        f"../shared/data/{name}" for name in ("scifact", "cranfield", "musique", "dbpedia_entity_5k")
+    )
+    c.data.weights = "1,1,1,1"  # each collection a quarter of the training queries (smaller ones repeat)
+    c.data.validation_fraction = 0.1
+    c.data.validation_min = 25  # held-out queries per collection (DBpedia-entity's 40 keep 15 for training)
     c.search.encoder = "tfidf"
     c.search.tfidf_dim = 128
-    c.search.top_k = 3
-    c.search.max_doc_chars = 200
+    c.search.top_k = 5
+    c.search.max_doc_chars = 100
     c.search.cache_dir = "cache/embeddings"
-    c.env.tool_prompt = "auto"
+    c.env.tool_prompt = "compact"
     c.env.max_turns = 4
+    c.env.answer_fallback = "fusion"
     c.rollout.group_size = 4
-    c.rollout.max_len = 1536
-    c.rollout.max_tokens_per_turn = 128
-    c.rollout.decode_chunk = 64
+    c.rollout.max_len = 1024
+    c.rollout.max_tokens_per_turn = 96
+    c.rollout.decode_chunk = 48
     c.rollout.tool_workers = 2
     c.rollout.asynchronous = False  # the two cores go to generation, then to the update
     c.rl.mini_batches = 1
     c.rl.micro_batches = 4
-    c.rl.length_bucket = 256
+    c.rl.length_bucket = 128
     c.rl.logprob_chunk = 1024  # the 49k-entry vocabulary: logits in chunks of 1,024 tokens
-    c.rl.kl_coef = 0.0  # no reference copy of the parameters
-    # GRPO's group std (the default's floor under it, grpo:std_floor=0.1,
-    # was chosen for the synthetic collection's query types; it is one flag: --config.rl.advantage_options=...)
-    c.rl.advantage_options = ""
-    c.optim.learning_rate = 1e-6
+    c.rl.kl_coef = 0.0  # no reference policy
+    c.rl.advantage_options = ""  # GRPO's group std
+    c.optim.learning_rate = 5e-5
     c.optim.warmup_steps = 0
-    c.warmup.steps = 0  # an instruction-tuned checkpoint: no scripted warm-up
+    # the cold start: the protocol from scripted demonstrations of the training queries, the teacher's
+    # choices drawn at random (tool, results asked for, a second search, the answer) for RL to choose between
+    c.warmup.steps = 160
+    c.warmup.batch_size = 8
+    c.warmup.learning_rate = 1e-3
+    c.warmup.augment = 0
+    c.warmup.hop_drills = 0
+    c.warmup.teacher_tools = ""
+    c.warmup.teacher_top_k = "3:1,5:1,10:1"
+    c.warmup.teacher_hop = 0.3
+    c.warmup.teacher_hop_tools = ""
+    c.warmup.teacher_hop_queries = "title:1,keywords:1"
+    c.warmup.teacher_answers = "empty:1,ids:1"
+    c.warmup.full_every = 3
+    c.warmup.two_turn_every = 2
     c.eval.every_steps = 0
     c.checkpoint.every_steps = 4
     c.checkpoint.keep = 2

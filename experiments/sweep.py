@@ -61,3 +61,16 @@ def seed_summaries(out: pathlib.Path, seeds: Sequence[int]) -> dict:
             summary["wall_seconds"] = float(wall.read_text())
         summaries[seed] = summary
     return summaries
+
+
+def load_config(path: str, overrides: Sequence[str] = ()):
+    """The config file at ``path`` with ``--config.<field>=<value>`` overrides, parsed exactly as
+    ``experiments.run`` parses them (absl flags over ``ml_collections``), locked."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["sweep", f"--config={path}", *overrides]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", path, flag_values=values, lock_config=True, sys_argv=argv)
+    values(argv, known_only=True)
+    return values.config

@@ -148,13 +148,29 @@ def _parse_call_body(body: str) -> list[ParsedCall]:
     return calls
 
 
+def bare_calls(text: str) -> list[str]:
+    """The JSON objects in ``text`` that look like calls (``{"name": ...}``), outside any fence, in order
+    (Qwen2.5-Coder writes them bare, e.g. on MuSiQue): each ``{`` that starts a whole JSON object."""
+    decoder, bodies, at = json.JSONDecoder(), [], text.find("{")
+    while at >= 0:
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            at = text.find("{", at + 1)
+            continue
+        if _looks_like_call(text[at:end]):
+            bodies.append(text[at:end])
+        at = text.find("{", end)
+    return bodies
+
+
 def parse_tool_calls(text: str) -> list[ParsedCall]:
     """Every tool call of an assistant turn, in order: the ``<tool_call>`` blocks (Qwen / Hermes JSON
     bodies, or a JSON list of calls), or, in a turn with neither those nor an ``<answer>``, fenced
-    code blocks holding call JSON (the form Qwen2.5-Coder emits)."""
+    code blocks holding call JSON, or else bare call JSON objects (the forms Qwen2.5-Coder emits)."""
     bodies = TOOL_CALL.findall(text)
     if not bodies and TOOL_CALL_OPEN not in text and ANSWER_OPEN not in text:
-        bodies = [b for b in FENCED.findall(text) if _looks_like_call(b)]
+        bodies = [b for b in FENCED.findall(text) if _looks_like_call(b)] or bare_calls(text)
     calls = [call for body in bodies for call in _parse_call_body(body)]
     if text.count(TOOL_CALL_OPEN) > len(TOOL_CALL.findall(text)):
         calls.append(ParsedCall(None, None, "bad_format", f"unterminated {TOOL_CALL_OPEN} (missing {TOOL_CALL_CLOSE})"))

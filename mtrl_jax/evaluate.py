@@ -23,7 +23,8 @@ from mtrl_jax.metrics import summarize, write_trajectories
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import PublishedParams
 from mtrl_jax.search.metrics import write_trec_run
-from mtrl_jax.setup import build
+from mtrl_jax.search.baselines import evaluate_retrieval
+from mtrl_jax.setup import build, build_data, search_settings
 
 
 def markdown_table(results: dict, k: int | None = None) -> str:
@@ -145,6 +146,19 @@ def run_evaluation(
         (out / "compare.md").write_text(comparison_table(base, results, f"base ({compare})", f"fine-tuned ({out})"))
     collector.close()
     return results
+
+
+def single_search_baselines(config, tools: Sequence[str] = ("bm25", "dense", "fusion")) -> dict:
+    """``{collection: {"queries": n, tool: nDCG@10}}``: one search with the question as typed, its top 10 as the
+    ranking, on the held-out queries of ``config``'s collections (the very queries its evaluations use),
+    with its search settings (``evaluate_retrieval``; ``fusion``: reciprocal-rank fusion of the other two)."""
+    collections, _, val_tasks = build_data(config)
+    out = {}
+    for name, collection in collections.items():
+        tasks = [t for t in val_tasks if t.corpus == name]
+        results = evaluate_retrieval(dataclasses.replace(collection, tasks=tasks), tools, search_settings(config))
+        out[name] = {"queries": len(tasks), **{tool: r["ndcg@10"] for tool, r in results.items()}}
+    return out
 
 
 def restore_params(workdir: pathlib.Path, components):

@@ -17,6 +17,7 @@ import collections
 import json
 import math
 import pathlib
+import resource
 import sys
 import threading
 from typing import Optional, Sequence
@@ -92,6 +93,7 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
         "mean_turns": float(np.mean([len(t.turns) for t in trajectories])),
         "tool_calls_per_episode": {name: c / n for name, c in sorted(tools.items())},
         "tool_errors_per_episode": errors / n,
+        "repeated_calls_per_episode": sum(t.counters.get("repeated_calls", 0) for t in trajectories) / n,
     }
     if samples_per_task > 1:
         k = k or samples_per_task
@@ -151,6 +153,7 @@ def rollout_metrics(trajectories: Sequence) -> dict:
         "episodes/failure_rate": s["failure_rate"],
         "episodes/mean_turns": s["mean_turns"],
         "episodes/tool_errors_per_episode": s["tool_errors_per_episode"],
+        "episodes/repeated_calls_per_episode": s["repeated_calls_per_episode"],
         "throughput/sampled_tokens": float(sum(t.num_sampled for t in trajectories)),
     }
     out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
@@ -267,3 +270,14 @@ def progress_bar(enabled: bool, start: int, total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="MTRL", unit="step", disable=not enabled, file=sys.stdout)
+
+
+def write_summary(workdir: pathlib.Path, summary: dict, write: bool = True) -> dict:
+    """``summary`` with the base policy's evaluation (``base_eval.json``, when the run made one) and the
+    process's peak resident memory in GiB, written to ``<workdir>/summary.json`` when ``write``."""
+    base = workdir / "base_eval.json"
+    summary = {**summary, **({"base": json.loads(base.read_text())} if base.exists() else {})}
+    summary["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if write:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

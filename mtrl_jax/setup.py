@@ -64,6 +64,7 @@ class RunSettings:
     filter_groups: bool = False  # drop groups whose rewards are all equal (rollout.selection)
     filter_max_extra_groups: int = 0  # with filter_groups: extra groups a step may generate to refill its batch
     truncation: str = "penalty"  # failed episodes: "penalty" (trained with reward -1) or "mask" (no gradient)
+    eval_before_warmup: bool = False  # evaluate the base policy before the warm-up too (summary.json's "base")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +157,8 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
     return collections, train_tasks, val
 
 
-def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
-    if config.search.remote_url:  # a dead server is an error now, not retries during every episode
-        check_service(config.search.remote_url)
-    settings = SearchSettings(
+def search_settings(config) -> SearchSettings:
+    return SearchSettings(
         tools=tuple(csv(config.search.tools)),
         encoder=config.search.encoder,
         tfidf_dim=config.search.tfidf_dim,
@@ -169,11 +168,18 @@ def build_environment(config, collections: Mapping[str, Collection]) -> Environm
         cache_dir=config.search.cache_dir or None,
         remote_url=config.search.remote_url or None,
     )
+
+
+def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
+    if config.search.remote_url:  # a dead server is an error now, not retries during every episode
+        check_service(config.search.remote_url)
+    settings = search_settings(config)
     env_cfg = SearchEnvConfig(
         max_turns=config.env.max_turns,
         answer_fallback=config.env.answer_fallback,
         max_answer_docs=config.env.max_answer_docs,
         tool_prompt=resolve_tool_prompt(config),
+        repeated_calls=config.env.repeated_calls,
     )
     return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
 
@@ -417,6 +423,7 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
         filter_groups=config.rl.filter_groups,
         filter_max_extra_groups=config.rl.filter_max_extra_groups,
         truncation=config.rl.truncation,
+        eval_before_warmup=config.eval.before_warmup,
     )
 
 

@@ -1,9 +1,5 @@
-"""The RL loop: collect, select, update, publish, log, checkpoint, stop on SIGTERM.
-
-``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls: components from
-``setup``, each step's episodes from ``rollout.steps``, the groups that train from ``rollout.selection``,
-checkpoints from ``checkpoint``, metrics and trajectory files from ``metrics``. A work directory that holds
-a checkpoint is resumed (parameters, optimizer state, RNG, data cursor, staleness counters).
+"""The RL loop: collect, select, update, publish, log, checkpoint, stop on SIGTERM; a work directory that holds a
+checkpoint is resumed. ``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls.
 """
 
 from __future__ import annotations
@@ -78,9 +74,7 @@ class Trainer:
         return evaluate_policy(self.eval_collector, self.c.val_tasks, key, path)
 
     def train_on(self, step: int, groups: list) -> dict:
-        """One update on the groups of RL step ``step`` that ``GroupSelector`` keeps; returns the step's
-        metrics. Every collected trajectory is written to the step's trajectory file, those the update
-        used with their advantage."""
+        """One update on the groups of step ``step`` that ``c.selector`` keeps; every trajectory logged."""
         selection = self.c.selector.select(groups, step)
         self.record.dropped_groups += selection.counts["staleness/dropped_groups"]
         self.record.max_staleness_seen = max(self.record.max_staleness_seen, selection.counts.pop("staleness/max"))
@@ -129,19 +123,7 @@ class Trainer:
             self.ref_params = self.checkpoints.restore_reference(self.state.params) if kl else None
         else:
             if self.c.warmup is not None:
-                stop = lambda: distributed.any_process(self.stop_requested)
-                progress = resume_or_warm_up(
-                    self.c, self.checkpoints, self.state.params, log=log.info, should_stop=stop
-                )
-                if progress.step < self.c.warmup.steps:
-                    log.warning(
-                        "SIGTERM: warm-up progress written at step %d of %d, exiting",
-                        progress.step,
-                        self.c.warmup.steps,
-                    )
-                    raise SystemExit(143)
-                self.state = self.c.updater.init_state(progress.params, self.state.rng)
-                self.publish(progress.params, 0)
+                self._warm_up()
             self.record.before = self.evaluate("before")
             print(M.headline("before RL", self.record.before), flush=True)
             if kl:  # the policy RL starts from
@@ -150,9 +132,27 @@ class Trainer:
             self.checkpoints.save(self.state, self.record)
         self.rollouts.start = (self.record.rl_step, self.record.cursor)
 
+    def _warm_up(self) -> None:
+        """The base policy evaluated first (``eval.before_warmup``; ``base_eval.json``, kept across a restart),
+        then the supervised warm-up, continued from its saved progress; SIGTERM during it saves and exits."""
+        base = self.workdir / "base_eval.json"
+        if self.c.run.eval_before_warmup and not base.exists():
+            metrics = self.evaluate("base")
+            print(M.headline("base policy", metrics), flush=True)
+            if distributed.is_primary():
+                base.write_text(json.dumps(metrics, indent=2))
+        stop = lambda: distributed.any_process(self.stop_requested)
+        progress = resume_or_warm_up(self.c, self.checkpoints, self.state.params, log=log.info, should_stop=stop)
+        if progress.step < self.c.warmup.steps:
+            log.warning(
+                "SIGTERM: warm-up progress written at step %d of %d, exiting", progress.step, self.c.warmup.steps
+            )
+            raise SystemExit(143)
+        self.state = self.c.updater.init_state(progress.params, self.state.rng)
+        self.publish(progress.params, 0)
+
     def _start_compiles(self):
-        """Compile the update and every sampler shape in background threads while the warm-up and the
-        first evaluation run (single-process runs); returns the sampler's thread, or None."""
+        """The update and every sampler shape compiled in the background while the warm-up and first evaluation run."""
         run, kl = self.c.run, bool(self.c.updater.config.objective.kl_coef)
         if jax.process_count() != 1 or run.total_steps == 0:
             return None
@@ -163,8 +163,7 @@ class Trainer:
         return BackgroundCompile((self.eval_collector, self.collector), self.c.updater.full(self.state.params))
 
     def _step(self, step: int, async_rollouts) -> dict:
-        """RL step ``step``: its groups (from the rollout thread, or collected now), the update, the
-        parameters published; returns its metrics."""
+        """RL step ``step``: its groups (rollout thread, or collected now), the update, new parameters published."""
         t0 = time.perf_counter()
         compiles = M.CompileCounter.mark()
         groups, timings = self.rollouts.collect(step) if async_rollouts is None else async_rollouts.get(step)
@@ -232,9 +231,7 @@ class Trainer:
         print(M.headline("after RL", after), flush=True)
         staleness = self.record.to_json()["staleness"]
         summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps, "staleness": staleness}
-        if distributed.is_primary():
-            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        return M.write_summary(self.workdir, summary, distributed.is_primary())
 
     def close(self) -> None:
         self.collector.close()

@@ -19,6 +19,7 @@ answering or a turn hit the per-turn token limit (``StepResult.turn["stop_reason
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Optional
 
@@ -31,6 +32,10 @@ from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 @dataclasses.dataclass
 class SearchEpisode(Episode):
     search_results: list[list[str]] = dataclasses.field(default_factory=list)  # each search's ranked ids
+    calls_made: set = dataclasses.field(default_factory=set)  # (tool, arguments as canonical JSON) of each call
+
+
+REPEATED_CALLS = ("error", "run")  # env.repeated_calls
 
 
 class NdcgReward:
@@ -50,6 +55,9 @@ class SearchEnvConfig:
     max_answer_docs: int = 10
     instructions: Optional[str] = None  # None: chat.DEFAULT_INSTRUCTIONS, or chat.COMPACT_INSTRUCTIONS for "compact"
     tool_prompt: str = "schemas"  # see chat.system_prompt
+    # a call identical to one the episode already made (same tool, same arguments): "error" answers it with a
+    # tool error saying so (counted as tool_errors/repeated_call), "run" runs it again; both count repeated_calls
+    repeated_calls: str = "error"
 
     def __post_init__(self):
         if self.tool_prompt not in TOOL_PROMPTS[:3]:
@@ -61,6 +69,8 @@ class SearchEnvConfig:
             raise ValueError(
                 f"env.answer_fallback must be 'last_search', 'fusion' or 'none', got {self.answer_fallback!r}"
             )
+        if self.repeated_calls not in REPEATED_CALLS:
+            raise ValueError(f"env.repeated_calls must be one of {REPEATED_CALLS}, got {self.repeated_calls!r}")
         if self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
 
@@ -121,6 +131,14 @@ class SearchEnvironment(Environment):
                     raise ToolError(error_kind, error)
                 if name not in self.tools:
                     raise ToolError("unknown_tool", f"unknown tool {name!r}; available: {sorted(self.tools)}")
+                call = (name, json.dumps(arguments, sort_keys=True))
+                if call in episode.calls_made:
+                    episode.count("repeated_calls")
+                    if self.config.repeated_calls == "error":
+                        raise ToolError(
+                            "repeated_call", f"{name} was already called with these arguments; its results are above"
+                        )
+                episode.calls_made.add(call)
                 output = self.tools[name](arguments)
                 record["doc_ids"] = output.doc_ids
                 episode.search_results.append(output.doc_ids)

@@ -1,0 +1,207 @@
+"""Does a real model become a better search agent? The whole recipe of a real-model config (an evaluation
+of the base model, the cold-start warm-up, an evaluation, MTRL, an evaluation) over several seeds, per
+collection, beside one-search baselines on the very same held-out queries.
+
+    python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m benchmarks.bench_real_learning --config=configs/real_cpu.py --seeds 0,1,2
+
+Each seed is one ``experiments.run`` of the config with ``eval.before_warmup`` on, in ``<out>/seed_<s>``
+(a seed already finished is not rerun, so the script resumes). From the runs' evaluation trajectories it
+prints, per collection and stage (base -> warmed up -> after RL): nDCG@10 (failures count 0), failure
+rate by reason, mean turns, tool calls and repeated calls per episode; each seed, then the mean ± std
+over seeds, and the change from the warmed-up policy to RL. The baselines are one search with the
+question as typed (BM25, dense, their fusion), its top 10 as the ranking. Then each run's minutes and
+peak resident memory. Extra ``--config.*`` arguments go to every run.
+
+``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
+each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its held-out queries cut to
+``--step_eval_tasks``), no warm-up, ``--steps`` RL steps, the two runs alternated ``--rounds`` times; it
+prints the median step time of each (the first step, which compiles, left out) and the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+from benchmarks.common import REPO, machine_line, ratio, run_seeds, worktree
+
+STAGES = (("base", "base"), ("warmed up", "before"), ("after RL", "after"))
+
+
+def stage_metrics(path: pathlib.Path) -> dict:
+    """``{collection: summarize(...)}`` of an evaluation's trajectory file (collection = the task id's prefix)."""
+    from mtrl_jax.metrics import summarize
+
+    by_collection: dict = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        t = types.SimpleNamespace(
+            status=r["status"],
+            reward=r["reward"],
+            turns=r["turns"],
+            counters=r["counters"],
+            task_type=r["task_id"].split("/", 1)[0],
+        )
+        by_collection.setdefault(t.task_type, []).append(t)
+    return {name: summarize(ts, by_type=False) for name, ts in sorted(by_collection.items())}
+
+
+def cell(m: dict) -> str:
+    reasons = ", ".join(f"{k} {v:.2f}" for k, v in m["failure_rate_by_reason"].items())
+    tools = ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in m["tool_calls_per_episode"].items()) or "none"
+    return (
+        f"{m['ndcg@10']:.3f} | {m['failure_rate']:.2f}{f' ({reasons})' if reasons else ''} | {m['mean_turns']:.2f} | "
+        f"{tools}; repeated {m['repeated_calls_per_episode']:.2f}"
+    )
+
+
+def mean_std(values) -> str:
+    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+
+
+def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict) -> None:
+    stages = {
+        seed: {
+            label: stage_metrics(out / f"seed_{seed}" / "trajectories" / f"eval_{key}.jsonl")
+            for label, key in STAGES
+            if (out / f"seed_{seed}" / "trajectories" / f"eval_{key}.jsonl").exists()
+        }
+        for seed in seeds
+    }
+    header = "| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |"
+    for name, base in baselines.items():
+        print(f"\n### {name} ({base['queries']} held-out queries)\n")
+        print(f"one search: BM25 {base['bm25']:.3f}, dense {base['dense']:.3f}, fusion {base['fusion']:.3f}\n")
+        print(header + "\n|---|---|---|---|---|---|")
+        for label, _ in STAGES:
+            rows = [
+                (seed, stages[seed][label][name])
+                for seed in seeds
+                if label in stages[seed] and name in stages[seed][label]
+            ]
+            for seed, m in rows:
+                print(f"| {label} | {seed} | {cell(m)} |")
+            if len(rows) > 1:
+                print(
+                    f"| {label} | mean ± std | {mean_std([m['ndcg@10'] for _, m in rows])} | "
+                    f"{mean_std([m['failure_rate'] for _, m in rows])} | "
+                    f"{mean_std([m['mean_turns'] for _, m in rows])} | |"
+                )
+        gains = [
+            stages[s]["after RL"][name]["ndcg@10"] - stages[s]["warmed up"][name]["ndcg@10"]
+            for s in seeds
+            if {"after RL", "warmed up"} <= set(stages[s])
+        ]
+        warm = [stages[s]["warmed up"][name]["ndcg@10"] for s in seeds if "warmed up" in stages[s]]
+        fails = [
+            stages[s]["after RL"][name]["failure_rate"] - stages[s]["warmed up"][name]["failure_rate"]
+            for s in seeds
+            if {"after RL", "warmed up"} <= set(stages[s])
+        ]
+        best = max(base["bm25"], base["dense"], base["fusion"])
+        if gains:
+            after = [stages[s]["after RL"][name]["ndcg@10"] for s in seeds if "after RL" in stages[s]]
+            print(
+                f"\nRL over the warmed-up policy: {mean_std(gains)} nDCG@10 (>= +0.03: {np.mean(gains) >= 0.03}), "
+                f"failure rate {np.mean(fails):+.3f} (not higher: {np.mean(fails) <= 0}); warmed up / BM25: "
+                f"{np.mean(warm) / max(base['bm25'], 1e-9):.2f} (>= 0.8: {np.mean(warm) >= 0.8 * base['bm25']}); "
+                f"after RL vs the best one search ({best:.3f}): {np.mean(after) - best:+.3f}"
+            )
+    print("\n| seed | minutes | peak resident GiB | RL steps |\n|---|---|---|---|")
+    for seed, s in summaries.items():
+        print(
+            f"| {seed} | {s.get('wall_seconds', float('nan')) / 60:.1f} | {s.get('peak_rss_gib', float('nan')):.2f} | "
+            f"{s['rl_steps']} |"
+        )
+
+
+def step_times(workdir: pathlib.Path) -> list[float]:
+    return [json.loads(line)["time/step_s"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def against_baseline(args, overrides: list[str]) -> None:
+    """The RL step of ``configs/real_cpu.py`` here and at ``args.step_baseline``, alternated."""
+    data = REPO.parent / "shared" / "data" / args.step_collection
+    common = [
+        f"--config.data.folders={data}",
+        "--config.data.weights=",
+        "--config.data.validation_min=0",
+        f"--config.data.max_eval_tasks={args.step_eval_tasks}",
+        f"--config.max_steps={args.steps}",
+        "--config.warmup.steps=0",
+        "--config.log.progress=False",
+        "--config.checkpoint.every_steps=1000",
+        f"--config.model.checkpoint={REPO / 'models' / 'smollm2-135m-instruct'}",
+        *overrides,
+    ]
+    times: dict = {"this tree": [], args.step_baseline: []}
+    with worktree(args.step_baseline) as tree, tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(args.rounds):
+            for side, root in (("this tree", REPO), (args.step_baseline, tree)):
+                workdir = pathlib.Path(scratch) / f"{side.replace(' ', '_')}_{round_}"
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "experiments.run",
+                    "--config=configs/real_cpu.py",
+                    f"--workdir={workdir}",
+                    *common,
+                ]
+                start = time.perf_counter()
+                done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{side}: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+                steps = step_times(workdir)[1:]  # the first RL step compiles what the background did not
+                times[side] += steps
+                print(
+                    f"{side}, round {round_}: {len(steps) + 1} RL steps, "
+                    f"{time.perf_counter() - start:.0f} s end to end, "
+                    f"steps {', '.join(f'{t:.1f}' for t in steps)} s",
+                    flush=True,
+                )
+    ours, theirs = statistics.median(times["this tree"]), statistics.median(times[args.step_baseline])
+    print(
+        f"RL step of configs/real_cpu.py (median of steps 2..{args.steps}, {args.rounds} alternated rounds): this tree "
+        f"{ours:.1f} s vs {theirs:.1f} s at {args.step_baseline}: {ratio(ours, theirs)} faster"
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/real_cpu.py")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", type=pathlib.Path, default=REPO / "workdirs" / "bench_real_learning")
+    parser.add_argument("--step_baseline", default="", help="a git revision: time the RL step here and there instead")
+    parser.add_argument("--step_collection", default="cranfield", help="with --step_baseline: the collection")
+    parser.add_argument("--step_eval_tasks", type=int, default=4, help="with --step_baseline: held-out queries")
+    parser.add_argument("--steps", type=int, default=4, help="with --step_baseline: RL steps per run")
+    parser.add_argument("--rounds", type=int, default=1, help="with --step_baseline: alternated rounds")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        raise SystemExit(f"bench_real_learning: unexpected arguments {bad} (only --config.key=value are passed on)")
+    print(machine_line(), flush=True)
+    if args.step_baseline:
+        return against_baseline(args, overrides)
+    from experiments.sweep import load_config
+    from mtrl_jax.evaluate import single_search_baselines
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    summaries = run_seeds(args.config, seeds, args.out, ["--config.eval.before_warmup=True", *overrides])
+    baselines = single_search_baselines(load_config(args.config, overrides))
+    print(f"\n{args.config} {' '.join(overrides)}: seeds {seeds}")
+    report(args.out, seeds, summaries, baselines)
+
+
+if __name__ == "__main__":
+    main()
