@@ -179,6 +179,10 @@ def get_config():
     # training task's own judgments) is at least min_reward (-1: keep all)
     c.warmup.samples_per_task = 1
     c.warmup.min_reward = -1.0
+    # the output projection at the trained columns only: the same loss to float rounding, less work where tool
+    # results are most of a demonstration (real models); off on the default, whose learning depends on rounding
+    c.warmup.loss_columns_only = False
+    c.warmup.micro_batches = 1  # a step's rows in slices, gradients accumulated: less memory (needs loss_columns_only)
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

@@ -23,7 +23,8 @@ def get_config():
     c.model.checkpoint = "models/smollm2-135m-instruct"
     c.model.chat_template = "checkpoint"
     c.model.scan_unroll = 1  # a loop over the 30 layers: compiles in seconds, not minutes
-    c.model.remat = True  # the update keeps one layer's activations at a time
+    # no recomputation in the backward pass: the update and the warm-up take micro-batches of 2 rows instead
+    c.model.remat = False
     c.model.lora_rank = 16
     c.model.lora_alpha = 32.0
     c.data.synthetic = False
@@ -36,7 +37,7 @@ def get_config():
     c.search.encoder = "tfidf"
     c.search.tfidf_dim = 128
     c.search.top_k = 5
-    c.search.max_doc_chars = 100
+    c.search.max_doc_chars = 0  # a result is its id and title: every result token is in every forward pass
     c.search.cache_dir = "cache/embeddings"
     c.env.tool_prompt = "compact"
     c.env.max_turns = 4
@@ -48,7 +49,7 @@ def get_config():
     c.rollout.tool_workers = 2
     c.rollout.asynchronous = False  # the two cores go to generation, then to the update
     c.rl.mini_batches = 1
-    c.rl.micro_batches = 4
+    c.rl.micro_batches = 8
     c.rl.length_bucket = 128
     c.rl.logprob_chunk = 1024  # the 49k-entry vocabulary: logits in chunks of 1,024 tokens
     c.rl.kl_coef = 0.0  # no reference policy
@@ -57,8 +58,10 @@ def get_config():
     c.optim.warmup_steps = 0
     # the cold start: the protocol from scripted demonstrations of the training queries, the teacher's
     # choices drawn at random (tool, results asked for, a second search, the answer) for RL to choose between
-    c.warmup.steps = 160
+    c.warmup.steps = 120
     c.warmup.batch_size = 8
+    c.warmup.micro_batches = 4
+    c.warmup.loss_columns_only = True  # the output projection at the assistant's tokens only
     c.warmup.learning_rate = 1e-3
     c.warmup.augment = 0
     c.warmup.hop_drills = 0
@@ -68,8 +71,8 @@ def get_config():
     c.warmup.teacher_hop_tools = ""
     c.warmup.teacher_hop_queries = "title:1,keywords:1"
     c.warmup.teacher_answers = "empty:1,ids:1"
-    c.warmup.full_every = 3
-    c.warmup.two_turn_every = 2
+    c.warmup.full_every = 3  # one step in 3 on whole demonstrations, the others on their first turn (the call)
+    c.warmup.two_turn_every = 0
     c.eval.every_steps = 0
     c.checkpoint.every_steps = 4
     c.checkpoint.keep = 2

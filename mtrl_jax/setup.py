@@ -93,6 +93,8 @@ class WarmupSettings:
     answer_probs: tuple[float, ...] = (1.0,)
     samples_per_task: int = 1  # demonstrations drawn per training task (warmup.samples_per_task)
     min_reward: Optional[float] = None  # rejection sampling: keep demonstrations at least this good (warmup.min_reward)
+    loss_columns_only: bool = False  # the output projection at the trained columns only (warmup.loss_columns_only)
+    micro_batches: int = 1  # a step's rows in this many slices, gradients accumulated (warmup.micro_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +443,12 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.full_every must be >= 1, got {w.full_every}")
     if w.two_turn_every < 0:
         raise ValueError(f"warmup.two_turn_every must be >= 0 (0: never), got {w.two_turn_every}")
+    if w.micro_batches < 1 or w.batch_size % w.micro_batches:
+        raise ValueError(
+            f"warmup.micro_batches={w.micro_batches} must be >= 1 and divide warmup.batch_size={w.batch_size}"
+        )
+    if w.micro_batches > 1 and not w.loss_columns_only:
+        raise ValueError("warmup.micro_batches > 1 needs warmup.loss_columns_only=True")
     if w.samples_per_task < 1:
         raise ValueError(f"warmup.samples_per_task must be >= 1, got {w.samples_per_task}")
     if not -1.0 <= w.min_reward <= 1.0:
@@ -468,6 +476,8 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         answer_probs=tuple(answer_probs.tolist()),
         samples_per_task=int(w.samples_per_task),
         min_reward=None if w.min_reward <= -1.0 else float(w.min_reward),
+        loss_columns_only=bool(w.loss_columns_only),
+        micro_batches=int(w.micro_batches),
     )
 
 

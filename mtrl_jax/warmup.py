@@ -35,7 +35,7 @@ from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
-from mtrl_jax.rl.logprobs import sequence_logprobs, shared_prefix_logprobs
+from mtrl_jax.rl.logprobs import logprobs_at, sequence_logprobs, shared_prefix_logprobs
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 from mtrl_jax.search.text import STOPWORDS
 
@@ -401,16 +401,47 @@ def warmup_optimizer(steps: int, learning_rate: float) -> optax.GradientTransfor
     )
 
 
-def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared: np.ndarray, logprob_chunk: int = 512):
+def loss_columns(loss_mask: np.ndarray, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """``(columns [B, K], weights [B, K])``: each row's loss-mask positions, padded (column 0, weight 0) to
+    ``K``, the longest row's count rounded up to ``multiple`` (a few shapes, few compiles)."""
+    counts = loss_mask.sum(axis=1).astype(int)
+    K = bucket(max(int(counts.max()), 1), multiple)
+    columns, weights = np.zeros((len(loss_mask), K), np.int32), np.zeros((len(loss_mask), K), np.float32)
+    for row, mask in enumerate(loss_mask):
+        where = np.flatnonzero(mask)
+        columns[row, : len(where)], weights[row, : len(where)] = where, mask[where]
+    return columns, weights
+
+
+def warmup_step(
+    model_cfg: ModelConfig,
+    tx: optax.GradientTransformation,
+    shared: np.ndarray,
+    logprob_chunk: int = 512,
+    columns_only: bool = False,
+    micro_batches: int = 1,
+):
     """The jitted warm-up step ``(params, opt_state, frozen, tokens, attention, loss_mask) -> (params,
     opt_state, loss)``: mean cross-entropy on the loss-mask tokens, trained on ``params`` (the trainable
     parameters; ``frozen`` the rest of the model, ``lora.split``). With a non-empty ``shared`` prefix the
     rows are what follows it, and it is computed once (``shared_prefix_logprobs``). The optimizer state is
-    donated; the parameters are not (the caller's may be published)."""
+    donated; the parameters are not (the caller's may be published).
+
+    ``columns_only``: the step takes ``(columns, weights)`` (``loss_columns``) instead of the loss mask and
+    runs the output projection at those columns alone (``logprobs_at``): the same loss and gradients, to
+    float rounding, for a fraction of the head's work when most tokens carry no loss (tool results).
+    ``micro_batches``: the rows in that many slices, their gradients accumulated (``lax.scan``), so that only
+    one slice's activations are held at a time; the same loss and gradient, to float rounding."""
     P = len(shared)
 
-    def loss_fn(trainable, frozen, tok, att, mask):
+    def loss_fn(trainable, frozen, tok, att, mask, normaliser=None):
         params = lora.merge(frozen, trainable)
+        if columns_only:
+            columns, weights = mask
+            prefix = jnp.asarray(shared) if P else None
+            logp, _ = logprobs_at(model_cfg, params, tok, att, columns, 1.0, logprob_chunk, prefix=prefix)
+            total = weights.sum() if normaliser is None else normaliser
+            return -(logp * weights).sum() / jnp.maximum(total, 1.0)
         if P:
             logp, _ = shared_prefix_logprobs(model_cfg, params, jnp.asarray(shared), tok, att, chunk_size=logprob_chunk)
         else:
@@ -419,7 +450,20 @@ def warmup_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, shared
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, opt_state, frozen, tok, att, mask):
-        loss, grads = jax.value_and_grad(loss_fn)(params, frozen, tok, att, mask)
+        if micro_batches == 1:
+            loss, grads = jax.value_and_grad(loss_fn)(params, frozen, tok, att, mask)
+        else:  # every slice normalised by the whole batch's count: their sum is the batch's loss and gradient
+            if not columns_only:
+                raise ValueError("warm-up micro-batches take the loss columns (columns_only)")
+            total = mask[1].sum()
+            slices = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), (tok, att, mask))
+
+            def accumulate(carry, xs):
+                loss, grads = jax.value_and_grad(loss_fn)(params, frozen, *xs, normaliser=total)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zero, slices)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -445,6 +489,8 @@ def supervised_warmup(
     logprob_chunk: int = 512,
     share_prefix: bool = True,
     frozen=None,
+    columns_only: bool = False,
+    micro_batches: int = 1,
 ) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
@@ -492,7 +538,7 @@ def supervised_warmup(
     )
 
     frozen = {} if frozen is None else frozen
-    step = warmup_step(model_cfg, tx, shared, logprob_chunk)
+    step = warmup_step(model_cfg, tx, shared, logprob_chunk, columns_only, micro_batches)
     rng = np.random.default_rng(seed)
     if resume is None:
         opt_state, start, losses = on_mesh(tx.init(params), mesh), 0, []
@@ -511,8 +557,9 @@ def supervised_warmup(
             tokens, attention, loss_mask = prefixes
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
+            mask = loss_columns(loss_mask[idx]) if columns_only else loss_mask[idx]
             params, opt_state, loss = step(
-                params, opt_state, frozen, *place_batch((tokens[idx], attention[idx], loss_mask[idx]), mesh)
+                params, opt_state, frozen, *place_batch((tokens[idx], attention[idx], mask), mesh)
             )
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
@@ -591,6 +638,8 @@ def warm_up(
         full_every=cfg.full_every,
         two_turn_every=cfg.two_turn_every,
         frozen=components.updater.frozen,
+        columns_only=cfg.loss_columns_only,
+        micro_batches=cfg.micro_batches,
     )
 
 

@@ -130,3 +130,24 @@ def shared_prefix_logprobs(
     return token_logprobs(
         jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens, temperature, chunk_size
     )
+
+
+def logprobs_at(
+    cfg: ModelConfig, params, tokens, attention_mask, columns, temperature=1.0, chunk_size: int = 512, prefix=None
+):
+    """Log-prob and entropy of ``tokens[b, columns[b, k]]`` only, ``[B, K]`` float32 (``columns [B, K]``,
+    each >= 1, or >= 0 with a ``prefix``): the output projection runs at those columns alone (the tokens a
+    loss is taken on), not at every position. Equal, value and gradient, to ``sequence_logprobs`` (or
+    ``shared_prefix_logprobs`` with ``prefix [P]``: ``tokens`` then follow it) read at those columns."""
+    if prefix is None:
+        hidden, _ = forward(cfg, params, tokens, attention_mask)
+        predictors = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)  # column j <- state j-1
+    else:
+        B, P = tokens.shape[0], prefix.shape[0]
+        hidden_p, cache = forward(cfg, params, prefix[None], None, init_cache(cfg, 1, P), jnp.zeros((1,), jnp.int32))
+        hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
+        last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
+        predictors = jnp.concatenate([last, hidden[:, :-1]], axis=1)
+    picked = jnp.take_along_axis(predictors, columns[..., None], axis=1)  # [B, K, D]
+    targets = jnp.take_along_axis(tokens, columns, axis=1)
+    return token_logprobs(picked, head_kernel(cfg, params), targets, temperature, chunk_size)
