@@ -116,3 +116,60 @@ def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whol
     np.testing.assert_allclose(np.asarray(logp2) * att, np.asarray(logp1) * att, atol=2e-5)
     np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4), g1, g2)
+
+
+def test_logprobs_at_columns_equal_the_whole_sequence_read_there():
+    """``logprobs_at`` runs the head at given columns only: the same log-probs, entropies and gradients
+    as ``sequence_logprobs`` (or ``shared_prefix_logprobs`` after a shared prefix) read at those columns."""
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.rl.logprobs import logprobs_at, sequence_logprobs, shared_prefix_logprobs
+
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        attention_chunk=4,
+    )
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 50, size=(3, 11)), jnp.int32)
+    attention = jnp.asarray((np.arange(11)[None] < np.array([[11], [8], [5]])).astype(np.int32))
+    columns = jnp.asarray([[1, 4, 10, 0], [2, 3, 7, 0], [1, 2, 3, 4]], jnp.int32)
+    weights = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]], jnp.float32)
+    prefix = jnp.asarray([7, 8, 9], jnp.int32)
+    for prefix_ in (None, prefix):
+
+        def at(p):
+            logp, ent = logprobs_at(
+                cfg,
+                p,
+                tokens,
+                attention,
+                columns if prefix_ is not None else columns.at[2, 0].set(1),
+                0.9,
+                4,
+                prefix=prefix_,
+            )
+            return (logp * weights).sum() + 0.1 * (ent * weights).sum(), (logp, ent)
+
+        def whole(p):
+            if prefix_ is None:
+                logp, ent = sequence_logprobs(cfg, p, tokens, attention, 0.9, 4)
+                cols = columns.at[2, 0].set(1)
+            else:
+                logp, ent = shared_prefix_logprobs(cfg, p, prefix_, tokens, attention, 0.9, 4)
+                cols = columns
+            logp, ent = jnp.take_along_axis(logp, cols, 1), jnp.take_along_axis(ent, cols, 1)
+            return (logp * weights).sum() + 0.1 * (ent * weights).sum(), (logp, ent)
+
+        (v1, (l1, e1)), g1 = jax.jit(jax.value_and_grad(at, has_aux=True))(params)
+        (v2, (l2, e2)), g2 = jax.jit(jax.value_and_grad(whole, has_aux=True))(params)
+        np.testing.assert_allclose(l1 * weights, l2 * weights, atol=1e-5)
+        np.testing.assert_allclose(e1 * weights, e2 * weights, atol=1e-5)
+        np.testing.assert_allclose(v1, v2, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)

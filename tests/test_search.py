@@ -307,6 +307,46 @@ def test_tool_call_and_answer_parsing():
     assert parse_answer("no answer here") is None
 
 
+def test_bare_json_calls_are_read_as_calls():
+    """Qwen2.5-Coder writes calls as bare JSON (no tags, no fence): each whole call object in the turn."""
+    text = (
+        'I will search. {"name": "bm25_search", "arguments": {"query": "x y"}} then {"a": 1} and\n'
+        '{"name": "vector_search", "arguments": "{\\"query\\": \\"z\\"}"} {broken'
+    )
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("bm25_search", {"query": "x y"}),
+        ("vector_search", {"query": "z"}),
+    ]
+    assert parse_tool_calls('{"query": "no name"} plain text') == []
+    # tags and fences first: a fenced call is read from its fence, an answer turn has no bare calls
+    assert (
+        parse_tool_calls('```json\n{"name": "bm25_search", "arguments": {"query": "q"}}\n```')[0].name == "bm25_search"
+    )
+    assert parse_tool_calls('<answer>["d1"]</answer> {"name": "bm25_search", "arguments": {"query": "q"}}') == []
+
+
+@pytest.mark.parametrize("mode", ["error", "run"])
+def test_repeated_identical_calls_are_counted(synthetic, chat, mode):
+    env = _env(synthetic, repeated_calls=mode)
+    task = synthetic.tasks[0]
+    call = '<tool_call>{"name": "bm25_search", "arguments": {"query": "same", "top_k": 2}}</tool_call>'
+    reordered = '<tool_call>{"name": "bm25_search", "arguments": {"top_k": 2, "query": "same"}}</tool_call>'
+    other = '<tool_call>{"name": "bm25_search", "arguments": {"query": "other", "top_k": 2}}</tool_call>'
+    script = iter([call, reordered + other, "<answer></answer>"])
+    seen = []
+    episode = run_text_episode(env, task, lambda msgs: (seen.append(msgs), next(script))[1], chat)
+    assert episode.counters["repeated_calls"] == 1  # the same arguments in another order are the same call
+    repeated = seen[2][-2]["content"]
+    if mode == "error":
+        assert repeated.startswith("Error: ") and "already called" in repeated
+        assert episode.counters["tool_errors/repeated_call"] == 1 and episode.counters["tool_calls/bm25_search"] == 2
+    else:
+        assert repeated.startswith("bm25_search") and episode.counters["tool_calls/bm25_search"] == 3
+    with pytest.raises(ValueError, match="env.repeated_calls"):
+        SearchEnvConfig(repeated_calls="ignore")
+
+
 def test_episode_with_search_then_answer(synthetic, chat):
     env = _env(synthetic)
     task = next(t for t in synthetic.tasks if t.type == "synthetic/lookup")

@@ -520,3 +520,45 @@ def test_warmup_schedule_fields_are_checked():
     config.warmup.full_every, config.warmup.two_turn_every = 8, -1
     with pytest.raises(ValueError, match=r"warmup.two_turn_every must be >= 0 \(0: never\), got -1"):
         warmup_settings(config)
+
+
+def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step():
+    """The output projection at the trained columns only, and the rows in micro-batches: the same loss and
+    the same parameters after a step, to float rounding, with and without a shared prefix and adapters."""
+    import jax
+    import optax
+
+    from mtrl_jax.model import ModelConfig, init_params, lora
+    from mtrl_jax.warmup import loss_columns, warmup_step
+
+    cfg = ModelConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        lora_rank=4,
+    )
+    frozen, trainable = lora.split(init_params(cfg, jax.random.PRNGKey(0)))
+    trainable = jax.tree.map(lambda x: x + 0.05, trainable)  # B != 0: the adapters act
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 40, size=(4, 12)).astype(np.int32)
+    attention = (np.arange(12)[None] < np.array([[12], [9], [7], [12]])).astype(np.int32)
+    mask = ((rng.random((4, 12)) < 0.4) & (attention > 0)).astype(np.float32)
+    mask[:, 0] = 0.0
+    tx = optax.adam(1e-2)
+    for shared in (np.zeros(0, np.int32), np.array([3, 5, 7], np.int32)):
+        results = []
+        for columns_only, micro in ((False, 1), (True, 1), (True, 2)):
+            step = warmup_step(cfg, tx, shared, 8, columns_only, micro)
+            batch = loss_columns(mask) if columns_only else mask
+            params, _, loss = step(trainable, tx.init(trainable), frozen, tokens, attention, batch)
+            results.append((float(loss), params))
+        for loss, params in results[1:]:
+            assert abs(loss - results[0][0]) < 1e-5 * max(1.0, abs(loss))
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(results[0][1])):
+                np.testing.assert_allclose(a, b, atol=2e-5)
+    columns, weights = loss_columns(np.array([[0, 1, 0, 1, 1], [0, 0, 1, 0, 0]], np.float32), multiple=4)
+    assert columns.tolist() == [[1, 3, 4, 0], [2, 0, 0, 0]] and weights.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
