@@ -10,7 +10,7 @@ import pytest
 
 from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Task
-from mtrl_jax.model import ModelConfig, init_params
+from mtrl_jax.model import ModelConfig, init_params, lora
 from mtrl_jax.model.sharding import make_mesh, param_shardings
 from mtrl_jax.model.transformer import abstract_params
 from mtrl_jax.rl.batch import make_batch
@@ -55,9 +55,19 @@ def setup():
     return chat, cfg, init_params(cfg, jax.random.PRNGKey(0))
 
 
-def one_rl_step(chat, cfg, params, mesh):
+def one_rl_step(chat, cfg, params, mesh, lora_rank=0):
+    """Collect 16 episodes and update on them, on ``mesh`` (None: one device); with ``lora_rank`` the base is
+    frozen and LoRA adapters (B non-zero, so that they act) train."""
+    frozen = {}
+    if lora_rank:
+        cfg = cfg.replace(lora_rank=lora_rank)
+        adapters = lora.init_adapters(cfg, jax.random.PRNGKey(3))
+        adapters = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.PRNGKey(4), x.shape), adapters)
+        frozen, params = params, adapters
     if mesh is not None:
-        params = jax.device_put(params, param_shardings(abstract_params(cfg), mesh))
+        shardings = lora.split(param_shardings(abstract_params(cfg), mesh))
+        frozen = jax.device_put(frozen, shardings[0]) if lora_rank else {}
+        params = jax.device_put(params, shardings[1])
     requests = [
         EpisodeRequest(Task(f"t{i}", f"query {i % 4} alpha", {}, "c"), i // 4, i % 4, jax.random.PRNGKey(i))
         for i in range(16)
@@ -67,14 +77,18 @@ def one_rl_step(chat, cfg, params, mesh):
         chat,
         CountingEnv(),
         CollectorConfig(slots=8, max_len=128, max_tokens_per_turn=6, decode_chunk=6, tool_workers=0),
-        lambda: (params, 0),
+        lambda: (lora.merge(frozen, params), 0),
         mesh,
     )
     trajectories = collector.run(requests)
     batch = make_batch(trajectories, 4, 32, chat.pad_id)
     # plain SGD: Adam's m / sqrt(v) turns float-reordering noise in near-zero gradients into full-size steps
     updater = Updater(
-        cfg, UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1), optax.sgd(0.5), mesh
+        cfg,
+        UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1),
+        optax.sgd(0.5),
+        mesh,
+        frozen,
     )
     state, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(1)), batch)
     return trajectories, state, metrics
@@ -84,6 +98,30 @@ def one_rl_step(chat, cfg, params, mesh):
 def single_device_step(setup):
     """The reference every mesh shape is compared with, computed once."""
     return one_rl_step(*setup, None)
+
+
+@pytest.fixture(scope="module")
+def single_device_lora_step(setup):
+    return one_rl_step(*setup, None, lora_rank=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES)
+def test_one_lora_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_device_lora_step, shape):
+    """LoRA adapters, sharded by the logical axes of the weights they adapt, and a frozen base."""
+    chat, cfg, params = setup
+    ref_trajectories, ref_state, _ = single_device_lora_step
+    trajectories, state, _ = one_rl_step(chat, cfg, params, make_mesh(shape), lora_rank=4)
+    assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params
+    )
+    a, b = state.params["layers"]["attn"]["q_proj_lora_a"], state.params["layers"]["attn"]["q_proj_lora_b"]
+    mesh = make_mesh(shape)
+    expected = lora.split(param_shardings(abstract_params(cfg.replace(lora_rank=4)), mesh))[1]["layers"]["attn"]
+    assert a.sharding.is_equivalent_to(expected["q_proj_lora_a"], a.ndim)  # A [L, D, r]: D over fsdp, like q_proj's
+    assert b.sharding.is_equivalent_to(expected["q_proj_lora_b"], b.ndim)  # B [L, r, N, H]: heads over tensor
+    assert b.sharding.is_fully_replicated == (shape[2] == 1)  # heads split over tensor, like q_proj's
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ without importing torch.
     python -m tools.make_hf_fixtures            # write fixtures, then check our export
     python -m tools.make_hf_fixtures --check    # only check our export against transformers
 
+LoRA: ``lora/reference.npz``, seeded adapters on qwen3_untied and the logits of the merged export in transformers.
+
 Decoder fixtures (each < 1 MB, grouped-query attention, 2 layers):
   qwen2           q/k/v bias, untied head, top-level ``rope_theta``
   qwen3_tied      per-head q/k RMSNorm, tied embeddings (no ``lm_head.weight``), ``rope_parameters``
@@ -126,6 +128,44 @@ def write_decoders():
         print(f"{name}: {size / 1024:.0f} KiB, files {sorted(f.name for f in out.iterdir())}")
 
 
+LORA_BASE, LORA_RANK, LORA_ALPHA = "qwen3_untied", 4, 8.0
+
+
+def lora_adapters(cfg):
+    """Seeded adapters for the ``LORA_BASE`` fixture, with B != 0 so that they act (``init_adapters`` starts
+    B at zero): the arrays the LoRA fixture stores."""
+    import jax
+
+    from mtrl_jax.model import lora
+
+    adapters = lora.init_adapters(cfg, jax.random.PRNGKey(7))
+    rng = np.random.default_rng(7)
+    return jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.05, x.shape).astype(np.float32), adapters)
+
+
+def write_lora():
+    """``tests/fixtures/lora/reference.npz``: adapters on the ``LORA_BASE`` fixture, and the logits transformers
+    gives on ``batch()`` for the export with the adapters merged (``lora.merged_weights``)."""
+    import jax
+
+    from mtrl_jax.model import hf_io, lora
+
+    model, base = hf_io.load_hf_checkpoint(FIXTURES / LORA_BASE)
+    cfg = model.config.replace(lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA)
+    adapters = lora_adapters(cfg)
+    merged_cfg, merged = lora.merged_weights(cfg, lora.merge(base, jax.tree.map(jax.numpy.asarray, adapters)))
+    tokens, mask = batch()
+    out = FIXTURES / "lora"
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_io.save_hf_checkpoint(hf_io.Transformer(merged_cfg), merged, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        logits = hf_logits(hf, tokens, mask)
+    flat = {"/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(adapters)}
+    np.savez(out / "reference.npz", tokens=tokens, attention_mask=mask, logits=logits, **flat)
+    print(f"lora: {sum(f.stat().st_size for f in out.iterdir()) / 1024:.0f} KiB")
+
+
 def write_bert():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
@@ -222,14 +262,17 @@ def check_export():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only run the export check")
+    parser.add_argument("--only", choices=("decoders", "bert", "lora"), help="write this fixture alone, then check")
     args = parser.parse_args(argv)
     global torch, transformers
     import torch
     import transformers
 
+    writers = {"decoders": write_decoders, "bert": write_bert, "lora": write_lora}
     if not args.check:
-        write_decoders()
-        write_bert()
+        for name, write in writers.items():
+            if args.only in (None, name):
+                write()
     check_export()
 
 
