@@ -273,7 +273,8 @@ def build_chat(
 def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
     """``(model config, frozen parameters, trainable parameters)``: an HF checkpoint or the tiny model; with
     ``model.lora_rank > 0`` the base is frozen and fresh adapters train (``model/lora.py``), else every
-    parameter trains and the frozen tree is empty."""
+    parameter trains and the frozen tree is empty. A vocabulary that the mesh's devices do not divide is
+    padded up (its extra entries masked out of every logit: ``ModelConfig.padded_vocab``)."""
     m = config.model
     if m.scan_unroll < 0:
         raise ValueError(f"model.scan_unroll must be >= 0 (0: every layer unrolled), got {m.scan_unroll}")
@@ -284,6 +285,8 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
         scan_unroll=m.scan_unroll,
     )
     adapters = dict(lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=tuple(csv(m.lora_targets)))
+    # the vocabulary padded to a multiple of the mesh's devices, so that the axes it is split over divide it
+    vocab_multiple = int(mesh.devices.size)
     if m.param_dtype != "float32" and not m.lora_rank:
         raise ValueError(
             f"model.param_dtype={m.param_dtype!r}: the trained parameters would be updated in {m.param_dtype}, where "
@@ -292,10 +295,12 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
             "the frozen base may then be bfloat16, the adapters stay float32)"
         )
     if m.checkpoint:
-        model, params = load_hf_checkpoint(m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, **runtime)
-        if model.config.vocab_size < vocab_size:
+        model, params = load_hf_checkpoint(
+            m.checkpoint, m.param_dtype, mesh, dtype=m.dtype, vocab_multiple=vocab_multiple, **runtime
+        )
+        if model.config.valid_vocab < vocab_size:
             raise ValueError(
-                f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}"
+                f"tokenizer has {vocab_size} tokens but the model's vocabulary is {model.config.valid_vocab}"
             )
         if not m.lora_rank:
             return model.config, {}, params
@@ -317,7 +322,7 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
         param_dtype=m.param_dtype,
         **runtime,
         **adapters,
-    )
+    ).padded_vocab(vocab_multiple)
     frozen, trainable = lora.split(init_params(cfg, rng.key(config.seed, "params"), mesh))
     return cfg, frozen, trainable
 

@@ -10,9 +10,9 @@ import pytest
 
 from mtrl_jax.chat import ChatFormat, train_tokenizer
 from mtrl_jax.data.collection import Task
-from mtrl_jax.model import ModelConfig, init_params, lora
+from mtrl_jax.model import ModelConfig, compute_logits, init_params, lora
 from mtrl_jax.model.sharding import make_mesh, param_shardings
-from mtrl_jax.model.transformer import abstract_params
+from mtrl_jax.model.transformer import Transformer, abstract_params, pad_vocab
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig, Updater
@@ -171,7 +171,8 @@ def test_compiled_update_and_decode_keep_the_table_shardings(setup):
         group_size=4,
     )
     compiled = updater.lower(state, place_batch(batch, mesh), None).compile()
-    (params_in, opt_in, _, _, batch_in, _), _ = compiled.input_shardings  # the state's fields, the batch, no reference
+    # the state's fields, the batch, no reference, the frozen parameters (none: every parameter trains)
+    (params_in, opt_in, _, _, batch_in, _, _), _ = compiled.input_shardings
     (state_out, _) = compiled.output_shardings
     for where in (params_in, state_out.params, opt_in[0].mu, state_out.opt_state[0].mu):  # Adam's moments follow
         assert _spec(where["layers"]["attn"]["q_proj"]) == (None, "fsdp", "tensor")
@@ -270,3 +271,32 @@ def test_the_update_splits_its_work_over_the_devices(setup, shape=(8, 1, 1)):
     _, cfg, params = setup
     ratio = _update_flops_per_device(cfg, params, make_mesh(shape)) / _update_flops_per_device(cfg, params, None)
     assert ratio < 0.3, ratio
+
+
+@pytest.mark.slow
+def test_a_vocabulary_that_divides_no_mesh_axis_is_padded_and_masked(setup):
+    """317 entries split over no axis of a (2, 2, 2) mesh: padded to 320 (``pad_vocab``), the padding's logits
+    masked, the RL step on the mesh is the unpadded model's on one device."""
+    chat, cfg, _ = setup
+    small = cfg.replace(vocab_size=317)
+    params = init_params(small, jax.random.PRNGKey(5))
+    padded_cfg, padded = pad_vocab(small, params, 8)
+    assert padded_cfg.vocab_size == 320 and padded_cfg.valid_vocab == 317
+    logits = compute_logits(Transformer(padded_cfg), padded, jnp.asarray([[1, 2, 3]]))
+    assert bool((logits[..., 317:] == jnp.finfo(jnp.float32).min).all())  # never sampled, probability 0
+    ref_trajectories, ref_state, _ = one_rl_step(chat, small, params, None)
+    trajectories, state, _ = one_rl_step(chat, padded_cfg, padded, make_mesh((2, 2, 2)))
+    assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]
+    for name in ("embed", "lm_head"):
+        got = np.asarray(state.params[name])
+        real = got[:317] if name == "embed" else got[:, :317]
+        np.testing.assert_allclose(real, np.asarray(ref_state.params[name]), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(state.params["layers"]["attn"]["q_proj"]),
+        np.asarray(ref_state.params["layers"]["attn"]["q_proj"]),
+        atol=1e-5,
+    )
+    # unpadded, the vocabulary would not split over the tensor axis: it is replicated there instead
+    unpadded = param_shardings(abstract_params(small), make_mesh((2, 2, 2)))["embed"].spec
+    padded_spec = param_shardings(abstract_params(padded_cfg), make_mesh((2, 2, 2)))["embed"].spec
+    assert unpadded[0] is None and padded_spec[0] == "tensor"

@@ -46,13 +46,13 @@ SMALL = [
 ]
 
 
-def _run(workdir, *extra, config="configs/default.py", wait=True):
+def _run(workdir, *extra, config="configs/default.py", wait=True, devices=1):
     cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *SMALL, *extra]
     if not wait:
         return subprocess.Popen(
-            cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=REPO, env=subprocess_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(cmd, cwd=REPO, env=subprocess_env(devices), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -433,3 +433,23 @@ def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_
     shortest = components.updater.config.min_length
     assert 0 < shortest <= min(prompts) < shortest + 10
     assert components.collector.min_prompt == shortest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["(2,2,2)", "(1,2,4)", "(1,8,1)"])
+def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(tmp_path, shape):
+    """The default's tokenizer vocabulary (which 8 does not divide) on tensor- and FSDP-parallel meshes of 8 fake
+    CPU devices: padded to a multiple of 8, the padding masked, two RL steps."""
+    out = _run(
+        tmp_path / "run",
+        f"--config.model.mesh_shape={shape}",
+        "--config.rollout_max_concurrency=8",
+        "--config.rollout.group_size=4",
+        "--config.max_steps=2",
+        devices=8,
+    )
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["rl_steps"] == 2 and "[after RL] validation" in out
+    vocab = json.loads((tmp_path / "run/tokenizer.json").read_text())["model"]["vocab"]
+    added = json.loads((tmp_path / "run/tokenizer.json").read_text())["added_tokens"]
+    assert (len(vocab) + len({t["id"] for t in added} - set(vocab.values()))) % 8  # the vocabulary 8 does not divide

@@ -192,7 +192,7 @@ def compile_decode(cfg, mesh, args, flop_count: bool = False):
     params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
     sampler = Sampler(cfg, args.slots, args.max_len, 1, mesh=mesh)
     shapes = jax.eval_shape(lambda: init_state(cfg, args.slots, args.max_len))
-    state = _abstract(shapes, state_sharding(mesh))
+    state = _abstract(shapes, state_sharding(mesh, cfg.num_kv_heads))
     S = args.slots
     row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))  # noqa: E731
     return sampler.lower_decode(

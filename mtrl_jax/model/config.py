@@ -60,6 +60,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    # the real vocabulary when ``vocab_size`` is padded up (so that every mesh axis divides it): the embedding
+    # rows and head columns past it exist but are never sampled, their logits masked (0: no padding)
+    real_vocab_size: int = 0
     # The original HF config.json (as JSON text), kept so an export round-trips extra fields.
     hf_config_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -85,8 +88,20 @@ class ModelConfig:
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if unknown or (self.lora_rank and not self.lora_targets):
             raise ValueError(f"lora_targets must be a non-empty subset of {LORA_TARGETS}, got {self.lora_targets}")
+        if not 0 <= self.real_vocab_size <= self.vocab_size:
+            raise ValueError(f"real_vocab_size={self.real_vocab_size} must be in [0, vocab_size={self.vocab_size}]")
         if self.lora_rank and not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+
+    @property
+    def valid_vocab(self) -> int:
+        """The vocabulary entries that are real tokens (the logits past them are masked)."""
+        return self.real_vocab_size or self.vocab_size
+
+    def padded_vocab(self, multiple: int) -> "ModelConfig":
+        """This config with ``vocab_size`` rounded up to a multiple of ``multiple`` (the real size kept)."""
+        padded = -(-self.valid_vocab // multiple) * multiple
+        return self.replace(vocab_size=padded, real_vocab_size=self.valid_vocab if padded != self.valid_vocab else 0)
 
     @property
     def compute_dtype(self):
@@ -170,7 +185,7 @@ class ModelConfig:
         hf.update(
             model_type=self.model_type,
             architectures=[architectures[self.model_type]],
-            vocab_size=self.vocab_size,
+            vocab_size=self.valid_vocab,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers,

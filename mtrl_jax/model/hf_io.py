@@ -175,7 +175,7 @@ _P = "model.layers.{i}."
 
 def key_map(cfg: ModelConfig) -> list[Rule]:
     """The rules for ``cfg`` (which optional tensors exist depends on the architecture)."""
-    D, F, V, H = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    D, F, V, H = cfg.hidden_size, cfg.intermediate_size, cfg.valid_vocab, cfg.head_dim  # the file's vocabulary
     rules = [
         Rule("model.embed_tokens.weight", ("embed",), lambda c: (V, D)),
         Rule("model.norm.weight", ("final_norm", "scale"), lambda c: (D,)),
@@ -261,6 +261,7 @@ def load_hf_checkpoint(
     mesh: Optional[jax.sharding.Mesh] = None,
     *,
     dtype: Optional[str] = None,
+    vocab_multiple: int = 1,
     **runtime,
 ) -> tuple[Transformer, dict]:
     """Load a local HF directory (``config.json`` + safetensors) as ``(Transformer, params)``.
@@ -268,7 +269,9 @@ def load_hf_checkpoint(
     ``param_dtype``: parameter dtype (``"float32"`` or ``"bfloat16"``). ``mesh``: place every
     parameter straight onto it with the logical sharding table. ``dtype``: activation/matmul dtype,
     as in Flax (defaults to ``param_dtype``; ``"bfloat16"`` with float32 parameters is mixed precision).
-    ``runtime``: other ``ModelConfig`` runtime fields (``remat``, ``attention_impl``).
+    ``runtime``: other ``ModelConfig`` runtime fields (``remat``, ``attention_impl``). ``vocab_multiple``: the
+    vocabulary padded up to a multiple of it (zero rows and columns, masked out of every logit) when it is not
+    one already, so that every mesh axis divides it (``ModelConfig.padded_vocab``; an export drops the padding).
     """
     path = pathlib.Path(path)
     config_file = path / "config.json"
@@ -283,6 +286,7 @@ def load_hf_checkpoint(
     if not isinstance(hf_config, dict):
         raise ValueError(f"{config_file}: expected a JSON object")
     cfg = ModelConfig.from_hf(hf_config, source=str(config_file), param_dtype=param_dtype, **runtime)
+    cfg = cfg.padded_vocab(vocab_multiple)
     rules = key_map(cfg)
     boxed = abstract_params(cfg)
     shardings = None
@@ -337,6 +341,11 @@ def load_hf_checkpoint(
         leaf = boxed
         for key in rule.path:
             leaf = leaf[key]
+        if cfg.real_vocab_size and rule.path in (("embed",), ("lm_head",)):  # zero rows / columns up to the padding
+            axis = 0 if rule.path == ("embed",) else 1
+            pad = [(0, 0), (0, 0)]
+            pad[axis] = (0, cfg.vocab_size - value.shape[axis])
+            value = np.pad(value, pad)
         if tuple(value.shape) != tuple(leaf.value.shape):
             raise AssertionError(
                 f"key map bug: {rule.hf} -> {rule.path} gives {value.shape}, model wants {leaf.value.shape}"
@@ -367,6 +376,10 @@ def save_hf_checkpoint(
         for key in rule.path:
             value = value[key]
         value = np.asarray(jax.device_get(value))
+        if rule.path == ("embed",):  # a padded vocabulary's extra rows / columns are not part of the checkpoint
+            value = value[: cfg.valid_vocab]
+        elif rule.path == ("lm_head",):
+            value = value[:, : cfg.valid_vocab]
         if rule.per_layer:
             for i in range(cfg.num_layers):
                 tensors[rule.hf.format(i=i)] = rule.to_hf(value[i], cfg)

@@ -2,12 +2,16 @@
 
 The mesh always has the axes ``("data", "fsdp", "tensor")``. Parameters are sharded FSDP-style
 over their ``embed`` dimension and Megatron-style over heads / MLP / vocab; activations are
-sharded over the batch on ``data`` x ``fsdp``.
+sharded over the batch on ``data`` x ``fsdp``. A dimension that the mesh axes of its rule do not
+divide (2 KV heads on a tensor axis of 4) is replicated over them instead (``divisible_spec``) where an
+array is placed (parameters, the KV cache; an activation constraint may split unevenly, the compiler pads);
+the vocabulary is padded up instead (``ModelConfig.padded_vocab``), so that the largest arrays stay split.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Optional, Sequence
 
 import flax.linen as nn
@@ -65,11 +69,26 @@ def logical_to_spec(logical_axes: Sequence[Optional[str]]) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical_axes), LOGICAL_AXIS_RULES)
 
 
+def divisible_spec(spec: PartitionSpec, shape: Sequence[int], mesh) -> PartitionSpec:
+    """``spec`` with every dimension whose mesh axes do not divide its size replicated (``None``)."""
+    out = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = axes if isinstance(axes, tuple) else (() if axes is None else (axes,))
+        out.append(axes if size % math.prod(mesh.shape[n] for n in names) == 0 else None)
+    return PartitionSpec(*out)
+
+
 def param_shardings(abstract_params, mesh: Mesh):
-    """NamedShardings for a params tree whose leaves are ``nn.LogicallyPartitioned`` boxes."""
-    specs = nn.get_partition_spec(abstract_params)
-    specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    """NamedShardings for a params tree whose leaves are ``nn.LogicallyPartitioned`` boxes (a dimension its
+    mesh axes do not divide is replicated, ``divisible_spec``)."""
+    specs = nn.logical_to_mesh(nn.get_partition_spec(abstract_params), LOGICAL_AXIS_RULES)
+    shapes = jax.tree.map(lambda box: box.value.shape, abstract_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return jax.tree.map(
+        lambda spec, shape: NamedSharding(mesh, divisible_spec(spec, shape, mesh)),
+        specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
@@ -105,9 +124,13 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("act_batch",) + (None,) * (x.ndim - 1))
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """The KV cache ``[L, B, K, S, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor``."""
-    return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+def cache_sharding(mesh: Mesh, num_kv_heads: int = 0) -> NamedSharding:
+    """The KV cache ``[L, B, K, S, H]``: rows over ``data`` x ``fsdp``, KV heads over ``tensor`` (replicated
+    when ``num_kv_heads``, if given, does not divide by it)."""
+    spec = logical_to_spec(CACHE_AXES)
+    if num_kv_heads:
+        spec = divisible_spec(spec, (1, 0, num_kv_heads, 1, 1), mesh)
+    return NamedSharding(mesh, spec)
 
 
 def on_mesh(tree, mesh: Optional[Mesh]):

@@ -492,9 +492,19 @@ def head_kernel(cfg: ModelConfig, params) -> Array:
 
 
 def logits_from_hidden(cfg: ModelConfig, params, hidden: Array) -> Array:
-    """float32 logits ``[..., V]`` of hidden states ``[..., D]``."""
+    """float32 logits ``[..., V]`` of hidden states ``[..., D]``; a padded vocabulary's extra entries get the
+    lowest float (``mask_padded_vocab``)."""
     head = head_kernel(cfg, params)
-    return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return mask_padded_vocab(logits, cfg.valid_vocab)
+
+
+def mask_padded_vocab(logits: Array, valid: int) -> Array:
+    """``logits [..., V]`` with the entries at or past ``valid`` set to the lowest float32: never sampled, a
+    probability of exactly 0, and no NaN in an entropy (0 x that value is 0, where 0 x -inf is not)."""
+    if valid >= logits.shape[-1]:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < valid, logits, jnp.finfo(jnp.float32).min)
 
 
 def forward(
@@ -556,3 +566,16 @@ def init_params(cfg: ModelConfig, rng: Array, mesh=None):
     if mesh is None:
         return jax.jit(init)()
     return jax.jit(init, out_shardings=param_shardings(abstract_params(cfg), mesh))()
+
+
+def pad_vocab(cfg: ModelConfig, params, multiple: int):
+    """``(cfg.padded_vocab(multiple), params)`` with the embedding's rows and an untied head's columns padded
+    with zeros to the new size: the same model on every real token (the padding's logits are masked)."""
+    padded = cfg.padded_vocab(multiple)
+    extra = padded.vocab_size - cfg.vocab_size
+    if not extra:
+        return cfg, params
+    params = dict(params, embed=jnp.pad(params["embed"], ((0, extra), (0, 0))))
+    if "lm_head" in params:
+        params["lm_head"] = jnp.pad(params["lm_head"], ((0, 0), (0, extra)))
+    return padded, params

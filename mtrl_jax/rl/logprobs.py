@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.transformer import forward, head_kernel, init_cache
+from mtrl_jax.model.transformer import forward, head_kernel, init_cache, mask_padded_vocab
 
 
-def _logp_entropy(hidden, head, targets, temperature):
-    """``hidden [N, D]``, ``head [D, V]``, ``targets [N]``, ``temperature [N]`` -> ``[N]``, ``[N]``."""
+def _logp_entropy(hidden, head, targets, temperature, valid_vocab=None):
+    """``hidden [N, D]``, ``head [D, V]``, ``targets [N]``, ``temperature [N]`` -> ``[N]``, ``[N]``; the
+    entries at or past ``valid_vocab`` (a padded vocabulary's) masked out."""
     logits = jnp.einsum("nd,dv->nv", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    logits = logits / temperature[:, None]
+    logits = mask_padded_vocab(logits / temperature[:, None], valid_vocab or head.shape[1])
     lse = jax.nn.logsumexp(logits, axis=-1)
     # the target's logit as its hidden state times the target's column of the head ([N, D] gathered),
     # not picked out of the [N, V] logits: a gather from the logits has a scatter into a zeroed [N, V]
@@ -49,16 +50,16 @@ def _per_token_temperature(temperature, shape):
     return jnp.broadcast_to(temperature, shape)
 
 
-def token_logprobs_dense(hidden, head, targets, temperature=1.0):
+def token_logprobs_dense(hidden, head, targets, temperature=1.0, valid_vocab=None):
     """Reference path: ``hidden [B, T, D]``, ``head [D, V]``, ``targets [B, T]``, ``temperature``
     scalar or ``[B]`` -> ``(logp, entropy)`` float32 ``[B, T]``. Materialises all logits."""
     B, T, D = hidden.shape
     temp = _per_token_temperature(temperature, (B, T)).reshape(-1)
-    logp, entropy = _logp_entropy(hidden.reshape(B * T, D), head, targets.reshape(-1), temp)
+    logp, entropy = _logp_entropy(hidden.reshape(B * T, D), head, targets.reshape(-1), temp, valid_vocab)
     return logp.reshape(B, T), entropy.reshape(B, T)
 
 
-def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512):
+def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512, valid_vocab=None):
     """Chunked, rematerialised version of ``token_logprobs_dense`` (same values and gradients).
     With ``chunk_size >= B * T`` it is the dense path itself: the ``[B, T, V]`` float32 logits are
     held for the backward pass instead of recomputed (a third less work in the output projection,
@@ -76,7 +77,7 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
     n_chunks = -(-T // max(1, min(T, chunk_size // B)))
     width = -(-T // n_chunks)  # balanced: T = 310 in chunks of 256 is two of 155, not 512 positions
     if n_chunks == 1:  # one chunk holds every token: no scan, and no recompute in the backward pass
-        return token_logprobs_dense(hidden, head, targets, temperature)
+        return token_logprobs_dense(hidden, head, targets, temperature, valid_vocab)
     pad = n_chunks * width - T
 
     def chunked(x, fill=0):  # [B, T, ...] -> [n_chunks, B, width, ...]
@@ -88,7 +89,7 @@ def token_logprobs(hidden, head, targets, temperature=1.0, chunk_size: int = 512
 
     @jax.checkpoint
     def body(h, t, tau):
-        logp, entropy = _logp_entropy(h.reshape(B * width, D), head, t.reshape(-1), tau.reshape(-1))
+        logp, entropy = _logp_entropy(h.reshape(B * width, D), head, t.reshape(-1), tau.reshape(-1), valid_vocab)
         return logp.reshape(B, width), entropy.reshape(B, width)
 
     def step(carry, x):
@@ -106,7 +107,9 @@ def sequence_logprobs(cfg: ModelConfig, params, tokens, attention_mask, temperat
     checked against.
     """
     hidden, _ = forward(cfg, params, tokens, attention_mask)
-    logp, entropy = token_logprobs(hidden[:, :-1], head_kernel(cfg, params), tokens[:, 1:], temperature, chunk_size)
+    logp, entropy = token_logprobs(
+        hidden[:, :-1], head_kernel(cfg, params), tokens[:, 1:], temperature, chunk_size, cfg.valid_vocab
+    )
     zeros = jnp.zeros((tokens.shape[0], 1), jnp.float32)
     return jnp.concatenate([zeros, logp], axis=1), jnp.concatenate([zeros, entropy], axis=1)
 
@@ -128,7 +131,12 @@ def shared_prefix_logprobs(
     hidden, _ = forward(cfg, params, tokens, attention_mask, prefix=cache)
     last = jnp.broadcast_to(hidden_p[:, -1:], (B, 1, hidden.shape[-1]))
     return token_logprobs(
-        jnp.concatenate([last, hidden[:, :-1]], axis=1), head_kernel(cfg, params), tokens, temperature, chunk_size
+        jnp.concatenate([last, hidden[:, :-1]], axis=1),
+        head_kernel(cfg, params),
+        tokens,
+        temperature,
+        chunk_size,
+        cfg.valid_vocab,
     )
 
 
@@ -150,4 +158,4 @@ def logprobs_at(
         predictors = jnp.concatenate([last, hidden[:, :-1]], axis=1)
     picked = jnp.take_along_axis(predictors, columns[..., None], axis=1)  # [B, K, D]
     targets = jnp.take_along_axis(tokens, columns, axis=1)
-    return token_logprobs(picked, head_kernel(cfg, params), targets, temperature, chunk_size)
+    return token_logprobs(picked, head_kernel(cfg, params), targets, temperature, chunk_size, cfg.valid_vocab)

@@ -75,10 +75,12 @@ def call_lines(pieces: int, max_lines: int, fill: float) -> list[int]:
     return [lines] + call_lines(pieces - lines, max_lines, fill)
 
 
-def state_sharding(mesh: Mesh) -> SamplerState:
-    """The shardings of a ``SamplerState``'s arrays on ``mesh``: rows over data x fsdp, KV heads over tensor."""
+def state_sharding(mesh: Mesh, num_kv_heads: int = 0) -> SamplerState:
+    """The shardings of a ``SamplerState``'s arrays on ``mesh``: rows over data x fsdp, KV heads over tensor
+    (where ``num_kv_heads``, if given, divides by it)."""
+    cache = cache_sharding(mesh, num_kv_heads)
     return SamplerState(
-        KVCache(cache_sharding(mesh), cache_sharding(mesh)),
+        KVCache(cache, cache),
         batch_sharding(mesh, 1),
         batch_sharding(mesh, 2),
         batch_sharding(mesh, 2),
@@ -89,7 +91,7 @@ def state_sharding(mesh: Mesh) -> SamplerState:
 def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
     """One set of jitted functions per model config and mesh, shared by every ``Sampler``. ``extend``
     and ``decode`` donate the sampler state (the KV cache is updated in place, never copied)."""
-    shardings = None if mesh is None else state_sharding(mesh)
+    shardings = None if mesh is None else state_sharding(mesh, cfg.num_kv_heads)
     return (
         jax.jit(functools.partial(extend, cfg), static_argnames=("window",), donate_argnums=(1,)),
         jax.jit(functools.partial(decode, cfg), static_argnames=("max_new_tokens", "window"), donate_argnums=(1,)),
@@ -214,7 +216,9 @@ class Sampler:
         state = jax.eval_shape(lambda: init_state(self.cfg, self.slots, self.max_len))
         if self.mesh is not None:
             state = jax.tree.map(
-                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, state_sharding(self.mesh)
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                state,
+                state_sharding(self.mesh, self.cfg.num_kv_heads),
             )
         extend_shapes, decode_windows = self.call_shapes()
         rows = (
