@@ -97,6 +97,7 @@ def get_config():
     # a new episode's prompt takes the cached keys and values of the prefix it shares with another
     # episode's (the system prompt, the group's samples of one prompt) instead of computing them again
     c.rollout.share_prefixes = True
+    c.rollout.param_dtype = ""  # "bfloat16": the rollouts sample with a bfloat16 copy of the parameters
     c.rollout.asynchronous = True  # generate the next batch while training on this one
     c.rollout.max_staleness = 1  # parameter versions a trained token may lag behind
 

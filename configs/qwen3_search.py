@@ -19,8 +19,9 @@ def get_config():
     c.global_batch_size = 32
     c.rollout_max_concurrency = 128
     c.model.checkpoint = ""  # required: a local HF Qwen3 (or Qwen2 / Llama) directory
-    c.model.param_dtype = "bfloat16"
-    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"  # the master copy: an update at lr 1e-6 would round away in bfloat16
+    c.model.dtype = "bfloat16"  # bfloat16 compute
+    c.rollout.param_dtype = "bfloat16"  # the sampler's copy of the parameters, refreshed after each update
     c.model.remat = True
     c.model.scan_unroll = 1  # a loop over the layers: compile time does not grow with depth
     c.model.mesh_shape = (1, -1, 1)  # FSDP over all local devices

@@ -120,7 +120,7 @@ def run_evaluation(
         components.chat,
         components.env,
         collector_cfg,
-        PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0),
+        PublishedParams(distributed.to_rollout_mesh(params, components.rollout_mesh), 0, collector_cfg.param_dtype),
         components.rollout_mesh,
     )
     key = rng.key(config.seed, "evaluate")

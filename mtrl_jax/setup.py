@@ -286,7 +286,7 @@ def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
     )
     adapters = dict(lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=tuple(csv(m.lora_targets)))
     # the vocabulary padded to a multiple of the mesh's devices, so that the axes it is split over divide it
-    vocab_multiple = int(mesh.devices.size)
+    vocab_multiple = 1 if mesh is None else int(mesh.devices.size)
     if m.param_dtype != "float32" and not m.lora_rank:
         raise ValueError(
             f"model.param_dtype={m.param_dtype!r}: the trained parameters would be updated in {m.param_dtype}, where "
@@ -365,6 +365,8 @@ def collector_config(config) -> CollectorConfig:
         raise ValueError(f"rollout_max_concurrency must be >= 1, got {config.rollout_max_concurrency}")
     if r.max_tokens_per_turn < 1:
         raise ValueError(f"rollout.max_tokens_per_turn must be >= 1, got {r.max_tokens_per_turn}")
+    if r.param_dtype not in ("", "float32", "bfloat16"):
+        raise ValueError(f"rollout.param_dtype must be '', 'float32' or 'bfloat16', got {r.param_dtype!r}")
     return CollectorConfig(
         slots=config.rollout_max_concurrency,
         max_len=r.max_len,
@@ -375,6 +377,7 @@ def collector_config(config) -> CollectorConfig:
         tool_workers=r.tool_workers,
         precompile=r.precompile,
         share_prefixes=r.share_prefixes,
+        param_dtype=r.param_dtype,
     )
 
 

@@ -40,7 +40,7 @@ class Trainer:
         self.state = c.updater.init_state(c.params, rng.key(run.seed, "train"))
         self.record = RunRecord(cursor=DataCursor(shuffle_seed=run.seed))
         self.ref_params = None
-        self.published = PublishedParams(None, 0)
+        self.published = PublishedParams(None, 0, c.collector.param_dtype)
         self.publish(self.state.params, 0)
         # never more rows (each a max_len KV cache) than this process's episodes of a step / of an evaluation
         eval_episodes, rows = eval_rows(c)

@@ -92,3 +92,44 @@ def test_plan_rejects_a_mesh_that_does_not_match_the_devices(tmp_path):
         timeout=60,
     )
     assert result.returncode != 0 and "--mesh 2,2,1 has 4 devices, --devices is 8" in result.stderr
+
+
+@pytest.mark.slow
+def test_plan_with_lora_keeps_adapter_state_and_a_frozen_base(tmp_path):
+    """``--lora``: the update's arguments are the frozen bfloat16 base, the float32 adapters and their Adam
+    state; full fine-tuning holds float32 master parameters and two float32 moments of every parameter."""
+    model = tmp_path / "shape.json"
+    model.write_text(json.dumps(SHAPE))
+    common = ["--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128", "--only", "update"]
+    full, adapters = [_result(p) for p in [_plan(model, *common), _plan(model, *common, "--lora", "4")]]
+    n = full["params"]
+    assert adapters["params"] == n and adapters["lora"] == 4 and full["param_dtype"] == "float32"
+    assert full["update"]["argument_bytes"] >= 3 * 4 * n  # parameters + Adam's two moments, float32
+    assert adapters["update"]["argument_bytes"] < 2 * n + 0.5 * 4 * n  # the bf16 base, adapters with their moments
+
+
+def test_plan_refuses_bfloat16_master_parameters():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.plan_scale",
+            "--model",
+            "qwen3-0.6b",
+            "--devices",
+            "1",
+            "--mesh",
+            "1,1,1",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--param_dtype",
+            "bfloat16",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "--param_dtype bfloat16" in result.stderr and "master" in result.stderr

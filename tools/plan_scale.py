@@ -13,6 +13,12 @@ one token per row. Printed per device, from the compiled programs' ``memory_anal
 ``cost_analysis()``: bytes of arguments, outputs, temporaries and their peak (arguments + outputs -
 aliased + temporaries), FLOPs, and the step time implied at the target's bf16 peak and ``--mfu``.
 
+Precision as the trainer runs it: float32 master parameters and Adam state, ``--dtype`` compute
+(bfloat16 parameters are refused for full fine-tuning, as ``setup`` refuses them). ``--gen_dtype
+bfloat16``: the decode step reads a bfloat16 copy of the parameters (the sampler's, refreshed after each
+update). ``--lora RANK``: LoRA adapters of that rank on every projection train (float32, with their Adam
+state), the base is frozen in ``--base_dtype``; the update's gradient and optimizer hold the adapters only.
+
 These are CPU-compiled estimates: XLA:CPU fuses and schedules differently from XLA:GPU / XLA:TPU,
 so temporaries are indicative, and parameter / optimizer / cache bytes are exact.
 """
@@ -55,8 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--micro_batches", type=int, default=1, help="gradient accumulation steps per mini-batch")
     p.add_argument("--slots", type=int, default=0, help="rollout rows decoded at once (default: --batch)")
     p.add_argument("--max_len", type=int, default=0, help="KV-cache length per rollout row (default: --seq)")
-    p.add_argument("--param_dtype", default="float32", help="parameter (and Adam state) dtype")
+    p.add_argument("--param_dtype", default="float32", help="the trained parameters' (and Adam state's) dtype")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--gen_dtype", default="", help="the decode step's parameter copy (default: --param_dtype)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank: adapters train, the base is frozen (0: full)")
+    p.add_argument("--base_dtype", default="bfloat16", help="with --lora: the frozen base's dtype")
     p.add_argument("--no_remat", action="store_true", help="keep every layer's activations for the backward pass")
     p.add_argument("--kl", action="store_true", help="with a KL term (a reference copy of the parameters)")
     p.add_argument("--target", default="h100-80gb", choices=sorted(TARGETS), help="device for the fit and timing")
@@ -82,6 +91,12 @@ def parse_args(argv=None):
         )
     args.slots = args.slots or args.batch
     args.max_len = args.max_len or args.seq
+    if args.param_dtype != "float32" and not args.lora:
+        p.error(
+            f"--param_dtype {args.param_dtype}: full fine-tuning keeps float32 master parameters (the trainer "
+            "refuses bfloat16 ones: an Adam step at a small learning rate rounds away); use --dtype for compute"
+        )
+    args.gen_dtype = args.gen_dtype or (args.base_dtype if args.lora else args.param_dtype)
     return args
 
 
@@ -91,9 +106,25 @@ def model_config(name: str, args):
     path = pathlib.Path(name) if name.endswith(".json") else MODELS / f"{name}.json"
     if not path.exists():
         raise SystemExit(f"--model {name}: {path} not found; known: {sorted(f.stem for f in MODELS.glob('*.json'))}")
-    return ModelConfig.from_hf(
+    cfg = ModelConfig.from_hf(
         json.loads(path.read_text()), str(path), dtype=args.dtype, param_dtype=args.param_dtype, remat=not args.no_remat
     )
+    return (
+        cfg.replace(lora_rank=args.lora, lora_alpha=2.0 * args.lora, param_dtype=args.base_dtype) if args.lora else cfg
+    )
+
+
+def split_abstract(cfg, mesh):
+    """``(frozen, trainable)`` abstract parameters (shapes, dtypes, the table's shardings): the frozen base
+    and the adapters with ``--lora``, else ``({}, every parameter)``."""
+    import flax.linen as nn
+
+    from mtrl_jax.model import lora
+    from mtrl_jax.model.sharding import param_shardings
+    from mtrl_jax.model.transformer import abstract_params
+
+    boxed = abstract_params(cfg)
+    return lora.split(_abstract(nn.unbox(boxed), param_shardings(boxed, mesh)))
 
 
 def _abstract(tree, shardings):
@@ -129,19 +160,16 @@ def flops_per_step(compile_for, cfg) -> float:
 
 
 def compile_update(cfg, mesh, args, flop_count: bool = False):
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
-    from mtrl_jax.model.sharding import batch_sharding, param_shardings
-    from mtrl_jax.model.transformer import abstract_params
+    from mtrl_jax.model.sharding import batch_sharding
     from mtrl_jax.rl.batch import TrajectoryBatch
     from mtrl_jax.rl.objective import ObjectiveConfig
     from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater
 
-    boxed = abstract_params(cfg)
-    params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
+    frozen, params = split_abstract(cfg, mesh)
     tx = optax.adam(1e-6)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # Adam's moments keep their parameter's sharding (as the trainer's eager tx.init does); its counter is replicated
@@ -175,21 +203,23 @@ def compile_update(cfg, mesh, args, flop_count: bool = False):
         micro_batches=1 if flop_count else args.micro_batches,
         logprob_chunk=B * T if flop_count else 512,
     )
-    return Updater(cfg, config, tx, mesh).lower(state, batch, params if args.kl else None).compile()
+    return Updater(cfg, config, tx, mesh, frozen).lower(state, batch, params if args.kl else None).compile()
 
 
 def compile_decode(cfg, mesh, args, flop_count: bool = False):
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
-    from mtrl_jax.model.sharding import batch_sharding, param_shardings
-    from mtrl_jax.model.transformer import abstract_params
+    from mtrl_jax.model.sharding import batch_sharding
     from mtrl_jax.rollout.engine import Sampler, state_sharding
     from mtrl_jax.rollout.sampler import init_state
 
-    boxed = abstract_params(cfg)
-    params = _abstract(nn.unbox(boxed), param_shardings(boxed, mesh))
+    from mtrl_jax.model import lora
+
+    frozen, trainable = split_abstract(cfg.replace(param_dtype=args.gen_dtype), mesh)
+    params = lora.merge(
+        frozen, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, args.gen_dtype, sharding=x.sharding), trainable)
+    )  # the sampler's copy, every array in --gen_dtype
     sampler = Sampler(cfg, args.slots, args.max_len, 1, mesh=mesh)
     shapes = jax.eval_shape(lambda: init_state(cfg, args.slots, args.max_len))
     state = _abstract(shapes, state_sharding(mesh, cfg.num_kv_heads))
@@ -215,66 +245,48 @@ def plan(compile_for, cfg, mesh, args) -> dict:
     return figures
 
 
-# (devices, mesh, rows per update, micro-batches, decode slots, targets): one micro-batch row per device,
-# 8 samples per prompt; the rollouts decode on the same mesh (one process per host: single-host runs)
-TABLE_ROWS = [(8, "1,8,1", 64, 8, 64, ("h100-80gb", "h200")), (64, "1,64,1", 512, 8, 512, ("tpu-v5p",))]
-TABLE_SEQ, TABLE_CACHE = 2048, 4096
+# the table's rows: (devices, mesh, rows per update, micro-batches, decode slots, target) with one micro-batch
+# row per device and 8 samples per prompt, the rollouts decoding on the same mesh (a single host); each model in
+# full fine-tuning (float32 master parameters) and with LoRA adapters of rank 16 (the base frozen in bfloat16),
+# bfloat16 compute and a bfloat16 copy of the parameters for decoding
+TABLE_ROWS = [(8, "1,8,1", 64, 8, 64, "h200")]
+TABLE_SEQ, TABLE_CACHE, TABLE_LORA = 2048, 4096, 16
 
 
 def table() -> str:
-    """Compile every model of ``configs/models`` at each ``TABLE_ROWS`` size (bf16 parameters and
-    compute, remat, as configs/qwen3_search.py) in a subprocess of its own, and tabulate."""
+    """Compile every model of ``configs/models`` at each ``TABLE_ROWS`` size, full and LoRA, each in a
+    subprocess of its own, and tabulate."""
     import subprocess
 
     lines = [
-        "| model | devices, mesh (data,fsdp,tensor) | update: rows x tokens (micro) | GiB/device | "
-        "decode: slots x cache | GiB/device | target | update fits | decode fits | update s @40% MFU | "
-        "decode ms/token (HBM-bound) |",
+        "| model | training | devices, mesh (data,fsdp,tensor) | update: rows x tokens (micro) | GiB/device | "
+        "decode: slots x cache | GiB/device | target | fits | update s @40% MFU | decode ms/token (HBM-bound) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     models = sorted((f.stem for f in MODELS.glob("*.json")), key=lambda m: float(m.split("-")[1].rstrip("b")))
-    for devices, mesh, rows, micro, slots, targets in TABLE_ROWS:
+    for devices, mesh, rows, micro, slots, target in TABLE_ROWS:
         for model in models:
-            cmd = [
-                sys.executable,
-                "-m",
-                "tools.plan_scale",
-                "--model",
-                model,
-                "--devices",
-                str(devices),
-                "--mesh",
-                mesh,
-                "--batch",
-                str(rows),
-                "--seq",
-                str(TABLE_SEQ),
-                "--micro_batches",
-                str(micro),
-                "--slots",
-                str(slots),
-                "--max_len",
-                str(TABLE_CACHE),
-                "--param_dtype",
-                "bfloat16",
-                "--json",
-            ]
-            run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
-            if run.returncode:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
-            out = json.loads(run.stdout.strip().splitlines()[-1])
-            u, d = out["update"], out["decode"]
-            for target in targets:
+            for lora in (0, TABLE_LORA):
+                cmd = [sys.executable, "-m", "tools.plan_scale", "--model", model, "--devices", str(devices)]
+                cmd += ["--mesh", mesh, "--batch", str(rows), "--seq", str(TABLE_SEQ), "--micro_batches", str(micro)]
+                cmd += ["--slots", str(slots), "--max_len", str(TABLE_CACHE), "--gen_dtype", "bfloat16"]
+                cmd += ["--lora", str(lora), "--target", target, "--json"]
+                run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+                if run.returncode:
+                    raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
+                out = json.loads(run.stdout.strip().splitlines()[-1])
+                u, d = out["update"], out["decode"]
                 peak, memory_gib, bandwidth = TARGETS[target]
-                fits = lambda f: "yes" if f["peak_bytes"] <= memory_gib * 2**30 * 0.9 else "**no**"  # noqa: E731
+                fits = "yes" if max(u["peak_bytes"], d["peak_bytes"]) <= memory_gib * 2**30 * 0.9 else "**no**"
+                decode_ms = max(d["argument_bytes"] / (bandwidth * 1e12), d["flops"] / (peak * 1e12 * 0.4)) * 1e3
                 lines.append(
-                    f"| {model} ({out['params'] / 1e9:.1f} B) | {devices}, ({mesh}) | {rows} x {TABLE_SEQ} ({micro}) | "
-                    f"{u['peak_bytes'] / 2**30:.1f} | {slots} x {TABLE_CACHE} | {d['peak_bytes'] / 2**30:.1f} | "
-                    f"{target} ({memory_gib:.0f} GiB) | {fits(u)} | {fits(d)} | "
-                    f"{u['flops'] / (peak * 1e12 * 0.4):.2f} | "
-                    f"{max(d['argument_bytes'] / (bandwidth * 1e12), d['flops'] / (peak * 1e12 * 0.4)) * 1e3:.2f} |"
+                    f"| {model} ({out['params'] / 1e9:.1f} B) | {f'LoRA r{lora}' if lora else 'full'} | {devices}, "
+                    f"({mesh}) | {rows} x {TABLE_SEQ} ({micro}) | {u['peak_bytes'] / 2**30:.1f} | "
+                    f"{slots} x {TABLE_CACHE} | {d['peak_bytes'] / 2**30:.1f} | {target} ({memory_gib:.0f} GiB) | "
+                    f"{fits} | "
+                    f"{u['flops'] / (peak * 1e12 * 0.4):.2f} | {decode_ms:.2f} |"
                 )
-            print(lines[-1], file=sys.stderr, flush=True)
+                print(lines[-1], file=sys.stderr, flush=True)
     return "\n".join(lines)
 
 
@@ -299,7 +311,7 @@ def main(argv=None):
         )
     cfg = model_config(args.model, args)
     mesh = make_mesh(args.mesh_shape)
-    n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(abstract_params(cfg))))
+    n_params = sum(x.size for x in jax.tree.leaves(nn.unbox(abstract_params(cfg.replace(lora_rank=0)))))
     peak_tflops, memory_gib, bandwidth = TARGETS[args.target]
     out = {
         "model": args.model,
@@ -313,6 +325,8 @@ def main(argv=None):
         "max_len": args.max_len,
         "param_dtype": args.param_dtype,
         "dtype": args.dtype,
+        "gen_dtype": args.gen_dtype,
+        "lora": args.lora,
         "remat": not args.no_remat,
         "kl": args.kl,
         "target": args.target,
@@ -337,8 +351,14 @@ def main(argv=None):
         return out
     gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
     print(
-        f"{args.model} ({n_params / 1e9:.2f} B parameters, {args.param_dtype} parameters, {args.dtype} compute, "
-        f"remat {not args.no_remat}) on {args.devices} devices, mesh (data, fsdp, tensor) = ({args.mesh})"
+        f"{args.model} ({n_params / 1e9:.2f} B parameters; "
+        + (
+            f"LoRA rank {args.lora} adapters on a frozen {args.base_dtype} base"
+            if args.lora
+            else f"{args.param_dtype} master parameters"
+        )
+        + f", {args.dtype} compute, {args.gen_dtype} parameters for decoding, remat {not args.no_remat}) on "
+        f"{args.devices} devices, mesh (data, fsdp, tensor) = ({args.mesh})"
     )
     print(
         f"target {args.target}: {peak_tflops:.0f} TFLOP/s bf16 peak, {memory_gib:.1f} GiB, {bandwidth} TB/s; "

@@ -47,6 +47,7 @@ class CollectorConfig:
         True  # a new episode's prompt takes the cached prefix it shares with another (Sampler.extend)
     )
     min_prompt: int = 0  # no episode's prompt is shorter (setup measures a lower bound): the sampler's min_length
+    param_dtype: str = ""  # the rollouts' copy of the parameters in this dtype ("": the parameters as they are)
 
 
 def fitted_slots(config: CollectorConfig, episodes: int, rows: int = 1) -> CollectorConfig:

@@ -8,17 +8,27 @@ import queue
 import threading
 from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
+
 
 class PublishedParams:
-    """The latest published ``(params, version)``, read by the collector before each device call."""
+    """The latest published ``(params, version)``, read by the collector before each device call. With a
+    ``dtype`` (``rollout.param_dtype``) the rollouts get a copy of every floating parameter in it (a bfloat16
+    copy for sampling, refreshed at every publication; the master parameters stay as they are)."""
 
-    def __init__(self, params, version: int):
-        self.value = (params, version)
+    def __init__(self, params, version: int, dtype: str = ""):
+        self.dtype = dtype
+        self.publish(params, version)
 
     def __call__(self):
         return self.value
 
     def publish(self, params, version: int):
+        if self.dtype and params is not None:
+            params = jax.tree.map(
+                lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+            )
         self.value = (params, version)
 
 
