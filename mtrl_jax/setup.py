@@ -10,6 +10,7 @@ are reported here, naming the field, before anything expensive runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from typing import Any, Mapping, Optional
@@ -17,7 +18,7 @@ from typing import Any, Mapping, Optional
 import jax
 import optax
 
-from mtrl_jax import distributed, rng
+from mtrl_jax import distributed, ranges, rng
 from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
 from mtrl_jax.data.collection import Collection, Task, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
@@ -489,6 +490,38 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
     )
 
 
+def device_memory_bytes() -> int:
+    """What one device of this process can hold: its memory limit where the backend reports one (GPU, TPU),
+    else the machine's physical memory (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_kv_cache(config, rows: int) -> None:
+    """Refuse, with an estimate, a KV cache (``rows`` generation rows of ``rollout.max_len`` tokens) that
+    cannot fit one device, before the model is loaded (rather than being killed for memory later)."""
+    m = config.model
+    if m.checkpoint and (pathlib.Path(m.checkpoint) / "config.json").exists():
+        shape = json.loads((pathlib.Path(m.checkpoint) / "config.json").read_text())
+        layers, heads = shape.get("num_hidden_layers", 1), shape.get("num_attention_heads", 1)
+        kv, head_dim = (
+            shape.get("num_key_value_heads") or heads,
+            shape.get("head_dim") or shape.get("hidden_size", 0) // heads,
+        )
+    else:
+        layers, kv, head_dim = m.tiny_layers, m.tiny_kv_heads, m.tiny_head_dim
+    per_row = config.rollout.max_len * layers * 2 * kv * head_dim * jax.numpy.dtype(m.dtype).itemsize
+    limit = device_memory_bytes()
+    if rows * per_row > limit:
+        raise ValueError(
+            f"rollout.max_len={config.rollout.max_len}: the KV cache of {rows} generation rows "
+            f"(rollout_max_concurrency) x {config.rollout.max_len} tokens would take {rows * per_row / 2**30:.1f} GiB, more than the "
+            f"{limit / 2**30:.1f} GiB a device here holds"
+        )
+
+
 def use_compilation_cache(config) -> Optional[str]:
     """Point JAX's persistent compilation cache at ``config.compilation_cache_dir`` (``~`` expanded)
     and cache every program that took at least 0.2 s to compile; a cache directory JAX already has
@@ -518,6 +551,7 @@ def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
     """Every component of a run of ``config`` whose files live in ``workdir``."""
     workdir = pathlib.Path(workdir)
+    ranges.check(config)  # every numeric field in its range, before anything else
     use_compilation_cache(config)
     update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
     collector_cfg = collector_config(config)
@@ -540,6 +574,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
             f"rollout_max_concurrency={collector_cfg.slots} (generation rows per process) must be a multiple of "
             f"the {rows} devices the rows are split over (data x fsdp of the rollout mesh {dict(rollout_mesh.shape)})"
         )
+    check_kv_cache(config, -(-collector_cfg.slots // rows))  # the rows one device holds
     model_cfg, frozen, params = build_model(config, chat.vocab_size, mesh)
     o = config.optim
     tx = make_optimizer(

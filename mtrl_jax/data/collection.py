@@ -116,6 +116,13 @@ def _jsonl(path: pathlib.Path) -> Iterator[tuple[int, dict]]:
             raise DataError(f"{path}:{line_no}: invalid JSON ({type(e).__name__})") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{line_no}: expected a JSON object")
+        if "\\u" in line:  # an escape can spell a lone surrogate (valid JSON, but no text): no tokenizer can take it
+            try:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: a lone surrogate ({e.object[e.start : e.end]!r}) is not text"
+                ) from None
         yield line_no, obj
 
 

@@ -49,8 +49,10 @@ def is_float(dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
 
 
-def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
-    """Memory-mapped tensors of one ``.safetensors`` file (``__metadata__`` is skipped)."""
+def read_header(path: os.PathLike) -> tuple[dict, int]:
+    """``(header, header length)`` of a ``.safetensors`` file, every field of its framing checked: a file too
+    short for its length field, a length that does not fit the file (or over 100 MiB), a header that is not
+    a JSON object are errors naming the file, never a ``struct.error`` or a ``MemoryError``."""
     path = pathlib.Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -69,6 +71,14 @@ def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: bad safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: bad safetensors header: not a JSON object")
+    return header, header_len
+
+
+def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
+    """Memory-mapped tensors of one ``.safetensors`` file (``__metadata__`` is skipped)."""
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    header, header_len = read_header(path)
     data_len = size - 8 - header_len
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if data_len > 0 else np.zeros(0, np.uint8)
     tensors = {}
@@ -229,9 +239,7 @@ def _tensor_sources(path: pathlib.Path) -> dict[str, pathlib.Path]:
         file = path / name
         if not file.exists():
             raise FileNotFoundError(f"{file}: listed in {index.name} but missing")
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n), object_pairs_hook=_no_duplicate_keys(file))
+        header, _ = read_header(file)
         for tensor in header:
             if tensor == "__metadata__":
                 continue
