@@ -517,8 +517,8 @@ def check_kv_cache(config, rows: int) -> None:
     if rows * per_row > limit:
         raise ValueError(
             f"rollout.max_len={config.rollout.max_len}: the KV cache of {rows} generation rows "
-            f"(rollout_max_concurrency) x {config.rollout.max_len} tokens would take {rows * per_row / 2**30:.1f} GiB, more than the "
-            f"{limit / 2**30:.1f} GiB a device here holds"
+            f"(rollout_max_concurrency) x {config.rollout.max_len} tokens would take {rows * per_row / 2**30:.1f} GiB, "
+            f"more than the {limit / 2**30:.1f} GiB a device here holds"
         )
 
 
