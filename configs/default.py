@@ -73,6 +73,8 @@ def get_config():
     c.search.max_doc_chars = 60
     c.search.cache_dir = ""
     c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (tools/serve_tools.py)
+    c.search.remote_deadline_s = 30.0  # each remote tool call, retries included, ends within this
+    c.search.remote_max_failures = 5  # remote calls in a row that fail stop the run, naming the server
 
     c.env = config_dict.ConfigDict()
     c.env.max_turns = 4

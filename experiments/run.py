@@ -13,7 +13,10 @@ if (
 
     prepare_process()
 
+import errno
 import logging
+import os
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -46,7 +49,40 @@ def main(argv):
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.WARNING)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
-    trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except Exception as e:  # noqa: BLE001 - a known cause is said in one line; anything else keeps its traceback
+        cause = stopping_cause(e)
+        if cause is None:
+            raise
+        logging.getLogger("mtrl_jax").error("stopped: %s: %s", type(cause).__name__, cause)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # not sys.exit: the checkpoint writer's threads would print their own failures again at interpreter exit
+        os._exit(1)
+
+
+DISK_FULL = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def stopping_cause(error: BaseException):
+    """The error, or one it was raised from, that a user acts on without a traceback: the tool service
+    down or missing a collection, a checkpoint or work directory that cannot be used, non-finite updates
+    in a row, a full disk; ``None`` for anything else (a bug: its traceback is wanted)."""
+    from mtrl_jax.checkpoint import CheckpointError, WorkdirInUse
+    from mtrl_jax.rollout.interfaces import ServiceDown
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (ServiceDown, ConnectionError, CheckpointError, FloatingPointError, WorkdirInUse)):
+            return error
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return error
+        if any(full in str(error) for full in DISK_FULL):  # the checkpoint writer's own errors (ValueError)
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -5,21 +5,28 @@ work-directory lock.
 and ``record`` (``RunRecord`` as JSON: RL step, data cursor, staleness counters, the validation
 metrics before RL). ``<workdir>/reference/`` holds the KL reference policy, written once.
 
-Restoring falls back to the newest checkpoint that restores completely (a damaged one is named in
-a warning), and refuses parameters that are not finite. ``WorkdirLock`` keeps a second run out of a
-work directory that a live run holds; the lock of a killed run is released with its process.
+Restoring falls back to the newest checkpoint that restores completely; the damaged ones after it are
+named in a warning and moved to ``<workdir>/damaged/`` (so the resumed run can write those steps again).
+Nothing non-finite is written or restored: a NaN or an infinity in the parameters is a ``CheckpointError``.
+``<workdir>/config.json`` is the configuration the run started with; a resume whose model or KL settings
+differ is refused in one line naming the field (``check_run_config``). ``WorkdirLock`` keeps a second
+run out of a work directory that a live run holds, even after the directory was deleted under it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import pathlib
 import shutil
 import socket
+import tempfile
+import time
 from typing import Any, Optional
 
 import jax
@@ -53,6 +60,23 @@ def check_finite(tree, what: str) -> None:
             raise CheckpointError(
                 f"{what}: tensor {jax.tree_util.keystr(path)} holds non-finite values ({int(count)} of {leaf.size})"
             )
+
+
+def ensure_space(tree, where: pathlib.Path, what: str) -> None:
+    """An ``OSError(ENOSPC)`` naming ``what``, the bytes it needs and those free, when the file system of
+    ``where`` cannot hold ``tree``'s arrays (with 5% and 16 MiB to spare): said before a save starts,
+    rather than failing in the writer's threads halfway through it."""
+    need = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")) * 1.05) + (16 << 20)
+    where = pathlib.Path(where)
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device for {what}: it needs {need / 2**20:.0f} MiB, "
+            f"{where} has {free / 2**20:.0f} MiB free",
+        )
 
 
 @dataclasses.dataclass
@@ -105,7 +129,10 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, state: TrainState, record: RunRecord) -> None:
-        """Write checkpoint ``record.rl_step`` and wait until it is on disk."""
+        """Write checkpoint ``record.rl_step`` and wait until it is on disk (refused when a parameter is not
+        finite: no checkpoint holds a broken policy)."""
+        check_finite(state.params, f"checkpoint {record.rl_step} (not written)")
+        ensure_space(state, self.workdir, f"checkpoint {record.rl_step}")
         self.manager.save(
             record.rl_step,
             force=True,
@@ -122,6 +149,13 @@ class Checkpoints:
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
+            logged = self.workdir / "metrics.jsonl"
+            if logged.exists() and logged.stat().st_size:
+                raise CheckpointError(
+                    f"{logged} records RL steps of an earlier run, but {self.workdir / 'checkpoints'} holds no "
+                    "checkpoint (deleted?); starting over would log those steps twice. Move the earlier run's files "
+                    "away or use another --workdir"
+                )
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like._asdict())
         failures = []
@@ -143,8 +177,22 @@ class Checkpoints:
                 continue
             state = TrainState(**restored["state"])
             check_finite(state.params, where)
+            self._set_aside([s for s in steps if s > step])
             return state, record
         raise CheckpointError(f"no checkpoint of {self.workdir} restores: {'; '.join(failures)}")
+
+    def _set_aside(self, steps: list) -> None:
+        """Move damaged checkpoints (newer than the one restored) to ``<workdir>/damaged/``: kept for a look,
+        and out of the way of the resumed run, which writes those steps again."""
+        if steps and distributed.is_primary():
+            damaged = self.workdir / "damaged"
+            damaged.mkdir(exist_ok=True)
+            for step in steps:
+                target = damaged / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.replace(self.workdir / "checkpoints" / str(step), target)
+                log.warning("damaged checkpoint %d moved to %s", step, target)
+        distributed.barrier("damaged-set-aside")
+        self.manager.reload()
 
     @property
     def reference_path(self) -> pathlib.Path:
@@ -152,15 +200,17 @@ class Checkpoints:
 
     def save_reference(self, params) -> None:
         """The KL reference (the policy RL starts from), written once, before the first checkpoint."""
+        check_finite(params, f"{self.reference_path} (not written)")
+        ensure_space(params, self.workdir, str(self.reference_path))
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(self.reference_path, params, force=True)
         checkpointer.wait_until_finished()
 
     def restore_reference(self, like):
         if not self.reference_path.exists():
-            raise FileNotFoundError(
-                f"{self.reference_path}: rl.kl_coef is set but this run has no KL reference policy "
-                "(it started with rl.kl_coef=0); resume it with rl.kl_coef=0 or use a new workdir"
+            raise CheckpointError(
+                f"{self.reference_path} is missing: rl.kl_coef is set, and the KL reference policy this run saved "
+                "at its start has been deleted; restore that directory, resume with rl.kl_coef=0, or use a new workdir"
             )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         params = ocp.StandardCheckpointer().restore(self.reference_path, abstract)
@@ -174,7 +224,10 @@ class Checkpoints:
         return self.workdir / "warmup"
 
     def save_warmup(self, params, opt_state, step: int, rng_state: dict, losses: list) -> None:
-        """The supervised warm-up's progress (``<workdir>/warmup``), replaced atomically."""
+        """The supervised warm-up's progress (``<workdir>/warmup``), replaced atomically (refused when a
+        parameter is not finite)."""
+        check_finite(params, f"{self.warmup_path} at warm-up step {step} (not written)")
+        ensure_space((params, opt_state), self.workdir, f"{self.warmup_path} at warm-up step {step}")
         tmp = self.workdir / "warmup.tmp"
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "state", {"params": params, "opt_state": opt_state}, force=True)
@@ -200,43 +253,96 @@ class Checkpoints:
         self.manager.close()
 
 
+# the settings that fix what a checkpoint holds: a resume that changes one of them is refused
+RUN_DEFINING = ("model.", "rl.kl_coef")
+# model settings that change how the same parameters are computed, not what they are
+RUNTIME_ONLY = {"model.remat", "model.attention_impl", "model.attention_chunk", "model.scan_unroll", "model.dtype"}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_run_config(workdir: pathlib.Path, config) -> None:
+    """``<workdir>/config.json``: written when the run starts (no checkpoint yet); on a resume, a model or
+    ``rl.kl_coef`` setting that differs from it is a ``CheckpointError`` naming the field and both values."""
+    path = pathlib.Path(workdir) / "config.json"
+    now = json.loads(config.to_json_best_effort())
+    resuming = any(p.name.isdigit() for p in (pathlib.Path(workdir) / "checkpoints").glob("*"))
+    if resuming and path.exists():
+        then = _flat(json.loads(path.read_text()))
+        for field, value in _flat(now).items():
+            if field.startswith(RUN_DEFINING) and field not in RUNTIME_ONLY and then.get(field, value) != value:
+                raise CheckpointError(
+                    f"{path}: this run started with {field}={then[field]!r}, not {value!r}; "
+                    "resume it with the same setting or use a new --workdir"
+                )
+    elif distributed.is_primary():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(now, indent=2, sort_keys=True))
+
+
+class WorkdirInUse(RuntimeError):
+    """Another live run holds the work directory."""
+
+
+def _lock(path: pathlib.Path, what: str):
+    """An exclusive ``flock`` on ``path`` (its file handle), or ``WorkdirInUse`` naming the holder."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise WorkdirInUse(f"{what} is in use by {holder}; wait for that run to end or use another --workdir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}: {what}\n")
+    handle.flush()
+    return handle
+
+
 class WorkdirLock:
-    """An exclusive ``flock`` on ``<workdir>/run.lock`` for the life of a run. A second run on the same
-    work directory fails at once, naming the holder; the kernel drops the lock of a killed process,
-    so a stale lock file is simply taken over. In a multi-process run the primary process holds it
-    for all of them."""
+    """Exclusive ``flock`` s for the life of a run: on ``<workdir>/run.lock`` (seen by every machine that
+    shares the file system) and on a file of this machine's temporary directory named after the work
+    directory's absolute path, which deleting the work directory does not remove: a second run on the same
+    path fails at once, naming the holder, even after an ``rm -rf`` of the directory under the first. The
+    kernel drops the locks of a killed process, so stale lock files are simply taken over. In a
+    multi-process run the primary process holds them for all of them."""
 
     def __init__(self, workdir: pathlib.Path):
-        self.path = pathlib.Path(workdir) / "run.lock"
-        self.file = None
+        workdir = pathlib.Path(workdir).absolute()
+        self.path = workdir / "run.lock"
+        key = hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
+        self.local = pathlib.Path(tempfile.gettempdir()) / f"mtrl_jax-locks-{os.getuid()}" / f"{key}.lock"
+        self.what = f"the work directory {workdir}"
+        self.files = []
 
     def acquire(self) -> "WorkdirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not distributed.is_primary():
             return self
-        handle = open(self.path, "a+")
+        self.local.parent.mkdir(mode=0o700, exist_ok=True)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise RuntimeError(
-                f"{self.path}: the work directory is in use by {holder}; "
-                "wait for that run to end or use another --workdir"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
-        self.file = handle
+            for path in (self.local, self.path):
+                self.files.append(_lock(path, self.what))
+        except WorkdirInUse:
+            self.release()
+            raise
         return self
 
     def release(self) -> None:
-        if self.file is not None:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
-            self.file = None
+        for handle in self.files:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+        self.files = []
 
     def __enter__(self):
         return self.acquire()

@@ -1,4 +1,5 @@
-"""Host-process settings: the C allocator's large-block policy (glibc on Linux).
+"""Host-process settings: the C allocator's large-block policy (glibc on Linux), and the stop signals
+(``stop_signals``: SIGTERM and Ctrl-C ask a run to save and stop).
 
 XLA's CPU runtime allocates every program's outputs and temporaries with ``malloc``. glibc serves a
 block above its mmap threshold (128 KiB at first, adapting up to 32 MiB) with a fresh ``mmap`` and
@@ -35,8 +36,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import contextlib
+import logging
 import platform
+import signal
 import sys
+import threading
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 1 << 30  # blocks below 1 GiB come from the heap, and are reused after free
@@ -122,3 +127,33 @@ def prepare_process() -> dict:
     (``reexec_with_tunables``), then set the thresholds (``tune_allocator``); returns what was set."""
     reexec_with_tunables()
     return tune_allocator()
+
+
+@contextlib.contextmanager
+def stop_signals(request_stop):
+    """While inside: SIGTERM and the first SIGINT (Ctrl-C) call ``request_stop(signum)`` (the run saves a checkpoint
+    at the end of its step and exits); a second SIGINT raises ``KeyboardInterrupt`` at once. The previous
+    handlers come back on exit. Outside the main thread (where Python cannot set handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupts = []
+
+    def on_interrupt(signum, frame):
+        interrupts.append(signum)
+        if len(interrupts) > 1:
+            raise KeyboardInterrupt
+        logging.getLogger("mtrl_jax").warning(
+            "Ctrl-C: a checkpoint is written at the end of this step, then the run stops (Ctrl-C again: stop now)"
+        )
+        request_stop(signum)
+
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: request_stop(signum)),
+        signal.SIGINT: signal.signal(signal.SIGINT, on_interrupt),
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

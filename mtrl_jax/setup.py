@@ -170,13 +170,15 @@ def search_settings(config) -> SearchSettings:
         max_doc_chars=config.search.max_doc_chars,
         cache_dir=config.search.cache_dir or None,
         remote_url=config.search.remote_url or None,
+        remote_deadline_s=config.search.remote_deadline_s,
+        remote_max_failures=config.search.remote_max_failures,
     )
 
 
 def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
-    if config.search.remote_url:  # a dead server is an error now, not retries during every episode
-        check_service(config.search.remote_url)
     settings = search_settings(config)
+    if config.search.remote_url:  # a dead server, or one without these collections, is an error now
+        check_service(config.search.remote_url, list(collections), settings.tools)
     env_cfg = SearchEnvConfig(
         max_turns=config.env.max_turns,
         answer_fallback=config.env.answer_fallback,

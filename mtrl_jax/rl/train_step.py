@@ -5,8 +5,9 @@ recomputes ``old_logp`` (and the KL reference's log-probs) with the parameters b
 draws the mini-batch order from a split of ``TrainState.rng``, and runs one ``lax.scan`` over
 ``update_epochs x mini_batches`` optimizer steps. Each optimizer step accumulates its gradient over
 ``micro_batches`` with an inner ``lax.scan``, normalised by the mini-batch's token / sequence / row
-counts, so accumulation gives the same gradient as one large batch. A step whose loss or gradient
-norm is not finite is skipped: parameters and optimizer state stay as they were, and it is counted.
+counts, so accumulation gives the same gradient as one large batch. A step whose loss, gradient norm or
+updated parameters are not finite is skipped: parameters and optimizer state stay as they were, and it is
+counted (``NonFiniteGuard`` stops a run after ``rl.max_nonfinite_steps`` such RL steps in a row).
 Metrics come back as device scalars; the caller fetches them once.
 """
 
@@ -169,6 +170,12 @@ def by_length(attention_mask: jax.Array, rows: jax.Array, group: int) -> jax.Arr
     micro-batches of a mini-batch (the order within a mini-batch does not change its gradient)."""
     lengths = attention_mask[rows].astype(jnp.int32).sum(axis=1)
     return rows[jnp.argsort(-lengths, stable=True)].reshape(-1, group)
+
+
+def all_finite(tree) -> jax.Array:
+    """Whether every element of every floating leaf of ``tree`` is finite (a boolean scalar)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
 def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
@@ -354,9 +361,10 @@ def update_step(
             if key in metrics:
                 metrics[key] = micro_metrics[key].sum()
         metrics["grad_norm"] = optax.global_norm(grads)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        # a finite loss and gradient can still step to non-finite parameters (a learning rate of inf)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & all_finite(new_params)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         carry = (
             keep(new_params, params),
@@ -460,6 +468,11 @@ class Updater:
         thread.start()
         return thread
 
+    def settle(self) -> None:
+        """Wait for the background compiles (``warm``): a process must not exit while XLA compiles in a thread."""
+        for thread in list(self._warming.values()):
+            thread.join()
+
     def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
         """The new state and the metrics as device scalars (fetch them with ``jax.device_get``).
         ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
@@ -472,8 +485,9 @@ class Updater:
 
 
 class NonFiniteGuard:
-    """Counts RL steps in a row whose update skipped an optimizer step (non-finite loss or gradient;
-    the update leaves parameters and optimizer state as they were) and stops the run at ``limit``."""
+    """Counts steps in a row whose update skipped an optimizer step (non-finite loss, gradient or updated
+    parameters; the update leaves parameters and optimizer state as they were) and stops the run at
+    ``limit`` with a ``FloatingPointError`` (RL steps here; the warm-up's steps in ``warmup``)."""
 
     def __init__(self, limit: int):
         self.limit, self.in_a_row = limit, 0
@@ -483,14 +497,14 @@ class NonFiniteGuard:
         if not skipped:
             return
         log.warning(
-            "RL step %d: %d optimizer step(s) skipped: non-finite loss or gradient (%d RL steps in a row)",
+            "RL step %d: %d optimizer step(s) skipped: non-finite loss, gradient or parameters (%d RL steps in a row)",
             rl_step,
             skipped,
             self.in_a_row,
         )
         if self.in_a_row >= self.limit:
             raise FloatingPointError(
-                f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses or "
-                f"gradients (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
+                f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses, gradients or "
+                f"updated parameters (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
                 f"{last_checkpoint}, holds the last good parameters"
             )

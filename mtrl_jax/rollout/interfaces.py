@@ -36,6 +36,11 @@ class ToolError(Exception):
         self.kind = kind
 
 
+class ServiceDown(RuntimeError):
+    """A tool service that keeps failing (``search.remote_max_failures`` calls in a row): not the model's
+    fault and not something it can fix, so it stops the run instead of feeding the model error messages."""
+
+
 @dataclasses.dataclass
 class ToolOutput:
     content: str  # what the model reads

@@ -78,7 +78,7 @@ class AsyncRollouts:
         """Batch ``step``, waiting for the rollout thread to finish it."""
         got, batch = self.out.get()
         if self.error is not None:
-            raise RuntimeError("rollout thread failed") from self.error
+            raise RuntimeError(f"rollout thread failed: {type(self.error).__name__}: {self.error}") from self.error
         assert got == step, (got, step)
         return batch
 

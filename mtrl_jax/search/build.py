@@ -10,7 +10,7 @@ from mtrl_jax.data.collection import Collection
 from mtrl_jax.search.encoders import BertEncoder, TfidfSvdEncoder, minilm_path
 from mtrl_jax.search.env import SearchEnvConfig, SearchEnvironment
 from mtrl_jax.search.retrievers import BM25Retriever, DenseRetriever, FusionRetriever
-from mtrl_jax.search.tools import RemoteSearchTool, SearchTool
+from mtrl_jax.search.tools import RemoteSearchTool, SearchTool, ServiceHealth
 
 TOOL_DESCRIPTIONS = {
     "bm25_search": "Lexical keyword search (BM25). Best for exact terms, names and identifiers.",
@@ -31,8 +31,16 @@ class SearchSettings:
     max_doc_chars: int = 200
     cache_dir: Optional[str] = None
     remote_url: Optional[str] = None  # serve the tools from tools/serve_tools.py instead
-    remote_timeout_s: float = 10.0
+    remote_timeout_s: float = 10.0  # per socket operation
     remote_retries: int = 2
+    remote_deadline_s: float = 30.0  # per tool call, retries included
+    remote_max_failures: int = 5  # calls in a row that fail on the service stop the run (ServiceDown)
+    # the remote service's failure count, shared by every tool of every collection it serves (made from the above)
+    health: Optional[ServiceHealth] = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.remote_url and self.health is None:
+            object.__setattr__(self, "health", ServiceHealth(self.remote_url, self.remote_max_failures))
 
 
 def make_encoder(name: str, tfidf_dim: int = 128):
@@ -82,6 +90,8 @@ def make_tools(collection: Collection, settings: SearchSettings) -> list:
                     f"{settings.remote_url}/{collection.name}",
                     timeout_s=settings.remote_timeout_s,
                     retries=settings.remote_retries,
+                    deadline_s=settings.remote_deadline_s,
+                    health=settings.health,
                     **common,
                 )
             )

@@ -24,7 +24,16 @@ import time
 from typing import Optional
 
 from mtrl_jax.chat import TOOL_ERROR_PREFIX, TOOL_PROMPTS, parse_answer, parse_tool_calls, system_prompt
-from mtrl_jax.rollout.interfaces import FAILURE_REWARD, Environment, Episode, Reward, StepResult, Tool, ToolError
+from mtrl_jax.rollout.interfaces import (
+    FAILURE_REWARD,
+    Environment,
+    Episode,
+    Reward,
+    ServiceDown,
+    StepResult,
+    Tool,
+    ToolError,
+)
 from mtrl_jax.search.metrics import ndcg_at_k
 from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 
@@ -144,6 +153,8 @@ class SearchEnvironment(Environment):
                 episode.search_results.append(output.doc_ids)
                 episode.count(f"tool_calls/{name}")
                 content = output.content
+            except ServiceDown:  # the tool service itself is down: the run stops
+                raise
             except Exception as e:  # noqa: BLE001 - whatever the model's call does to a tool, the run goes on
                 if not isinstance(e, ToolError):
                     e = ToolError(

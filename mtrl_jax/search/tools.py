@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Optional
+from typing import Optional, Sequence
 
 from mtrl_jax.data.collection import Collection
-from mtrl_jax.rollout.interfaces import Tool, ToolError, ToolOutput
+from mtrl_jax.rollout.interfaces import ServiceDown, Tool, ToolError, ToolOutput
 
 
 def render_results(tool: str, query: str, hits: list[dict], max_doc_chars: int) -> str:
@@ -71,10 +75,42 @@ class SearchTool(Tool):
         return ToolOutput(render_results(self.name, query, hits, self.max_doc_chars), [h["doc_id"] for h in hits])
 
 
+class ServiceHealth:
+    """The calls in a row that failed on one tool service, shared by its tools and threads: at
+    ``max_failures`` the next failure raises ``ServiceDown`` naming the server and the last error, which
+    stops the run (a service that hangs or fails every search would otherwise feed the model error
+    messages, or spin for hours in silence)."""
+
+    def __init__(self, url: str, max_failures: int = 5):
+        self.url, self.max_failures = url, max_failures
+        self.in_a_row, self.lock = 0, threading.Lock()
+
+    def success(self) -> None:
+        with self.lock:
+            self.in_a_row = 0
+
+    def failure(self, error: str) -> None:
+        with self.lock:
+            self.in_a_row += 1
+            down = self.in_a_row >= self.max_failures
+        if down:
+            raise ServiceDown(
+                f"search.remote_url={self.url}: {self.in_a_row} tool calls in a row failed "
+                f"(search.remote_max_failures={self.max_failures}); last error: {error}"
+            )
+
+
+class ReplyTooLarge(ValueError):
+    pass
+
+
 class RemoteSearchTool(SearchTool):
     """The same tool served by ``tools/serve_tools.py``: POST ``{url}/search`` with
-    ``{"tool", "query", "top_k"}``. Timeouts and bounded retries; a service that stays down
-    becomes a tool error the model sees, never an exception in the rollout loop."""
+    ``{"tool", "query", "top_k"}``. Each call has an overall deadline (``deadline_s``, retries and a reply
+    dripped slowly included: a watchdog closes the connection when it passes) and a reply-size cap
+    (``max_reply_bytes``); overloaded or failed replies are retried with backoff within the deadline. A call
+    that still fails is a ``service_error`` the model sees, and counts on the service's ``ServiceHealth``:
+    too many in a row stop the run. A 4xx reply about the request is the model's ``bad_arguments``."""
 
     def __init__(
         self,
@@ -87,36 +123,96 @@ class RemoteSearchTool(SearchTool):
         timeout_s: float = 10.0,
         retries: int = 2,
         backoff_s: float = 0.2,
+        deadline_s: float = 30.0,
+        max_reply_bytes: int = 8 << 20,
+        health: Optional[ServiceHealth] = None,
     ):
         super().__init__(name, description, None, None, top_k, max_top_k, max_doc_chars)
         self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+        self.deadline_s, self.max_reply_bytes = deadline_s, max_reply_bytes
+        self.health = health or ServiceHealth(self.url)
+
+    def _post(self, body: bytes, deadline: float) -> tuple[int, str, bytes]:
+        """``(status, Retry-After header, body)`` of one POST, all of it received before ``deadline``."""
+        parts = urllib.parse.urlsplit(f"{self.url}/search")
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        remaining = deadline - time.monotonic()
+        connection = kind(parts.hostname, parts.port, timeout=max(min(self.timeout_s, remaining), 1e-3))
+        watchdog = None
+        try:
+            connection.connect()
+            # the overall deadline: the socket itself is shut (http.client lets go of it once a reply says "close")
+            watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _shut, (connection.sock,))
+            watchdog.start()
+            connection.request("POST", parts.path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            declared = response.getheader("Content-Length")
+            if declared and declared.isdigit() and int(declared) > self.max_reply_bytes:
+                raise ReplyTooLarge(f"a reply of {declared} bytes (over {self.max_reply_bytes})")
+            raw = bytearray()
+            while chunk := response.read1(65536):
+                raw += chunk
+                if len(raw) > self.max_reply_bytes:
+                    raise ReplyTooLarge(f"a reply of more than {self.max_reply_bytes} bytes")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no complete reply within the {self.deadline_s:g} s deadline")
+            return response.status, response.getheader("Retry-After"), bytes(raw)
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no complete reply within the {self.deadline_s:g} s deadline") from None
+            raise e
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            connection.close()
 
     def hits(self, query: str, top_k: int) -> list[dict]:
         body = json.dumps({"tool": self.name, "query": query, "top_k": top_k}).encode()
-        last_error = None
+        deadline = time.monotonic() + self.deadline_s
+        last_error = "no attempt"
         for attempt in range(self.retries + 1):
-            request = urllib.request.Request(
-                f"{self.url}/search", data=body, headers={"Content-Type": "application/json"}
-            )
+            if time.monotonic() >= deadline:
+                break
             wait = self.backoff_s * 2**attempt
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return parse_results(response.read(), top_k)
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:200]
-                if 400 <= e.code < 500 and e.code not in RETRIED_STATUS:  # the request itself is wrong
-                    raise ToolError("bad_arguments", f"{self.name}: {detail}") from None
-                last_error = f"HTTP {e.code}: {detail}"
-                wait = max(wait, _retry_after(e.headers.get("Retry-After"), self.timeout_s))
-            except MalformedReply as e:
-                raise ToolError(
-                    "service_error", f"{self.name}: malformed reply from the search service ({e})"
-                ) from None
-            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
+                status, retry_after, raw = self._post(body, deadline)
+            except ReplyTooLarge as e:
+                last_error = str(e)
+                break
+            except (OSError, http.client.HTTPException, ValueError) as e:
                 last_error = f"{type(e).__name__}: {e}"
+            else:
+                detail = raw[:200].decode(errors="replace")
+                if status == 200:
+                    try:
+                        results = parse_results(raw, top_k)
+                    except MalformedReply as e:
+                        last_error = f"malformed reply from the search service ({e})"
+                        break
+                    self.health.success()
+                    return results
+                if status == 404:  # the service lacks this collection: not the model's fault
+                    last_error = f"HTTP 404: {detail}"
+                    break
+                if 400 <= status < 500 and status not in RETRIED_STATUS:  # the request itself is wrong
+                    self.health.success()
+                    raise ToolError("bad_arguments", f"{self.name}: {detail}")
+                last_error = f"HTTP {status}: {detail}"
+                wait = max(wait, _retry_after(retry_after, self.timeout_s))
             if attempt < self.retries:
-                time.sleep(wait)
+                time.sleep(max(min(wait, deadline - time.monotonic()), 0.0))
+        if time.monotonic() >= deadline:
+            last_error = f"no reply within the {self.deadline_s:g} s deadline ({last_error})"
+        self.health.failure(f"{self.name}: {last_error}")
         raise ToolError("service_error", f"{self.name}: search service unavailable ({last_error})")
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake a read blocked on ``sock`` (the watchdog of the call's deadline)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 RETRIED_STATUS = (429, 503)  # overloaded: retried with backoff (5xx are retried too)
@@ -156,14 +252,39 @@ def parse_results(raw: bytes, top_k: int) -> list[dict]:
     return results
 
 
-def check_service(url: str, timeout_s: float = 5.0) -> None:
-    """Fail fast (``ConnectionError`` naming ``url``) when the tool server does not answer ``/health``."""
+def check_service(url: str, collections: Sequence[str] = (), tools: Sequence[str] = (), timeout_s: float = 5.0) -> None:
+    """Fail fast (``ConnectionError`` naming ``url``) when the tool server does not answer ``/health``,
+    or does not serve one of ``collections`` with all of ``tools`` (a server started on other data would
+    answer every search with 404)."""
+    base = url.rstrip("/")
+
+    def get(path: str):
+        with urllib.request.urlopen(f"{base}{path}", timeout=timeout_s) as response:
+            return json.loads(response.read(1 << 20))
+
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as response:
-            if json.loads(response.read()).get("ok") is not True:
-                raise ValueError("health check did not answer ok")
+        if get("/health").get("ok") is not True:
+            raise ValueError("health check did not answer ok")
     except (urllib.error.URLError, TimeoutError, OSError, ValueError, AttributeError) as e:
         raise ConnectionError(
             f"search.remote_url={url}: the tool server is unreachable or unhealthy "
             f"({type(e).__name__}: {e}); start it with tools/serve_tools.py"
         ) from None
+    for collection in collections:
+        try:
+            served = {t["function"]["name"] for t in get(f"/{collection}/tools")["tools"]}
+        except urllib.error.HTTPError as e:
+            detail = e.read(500).decode(errors="replace")
+            raise ConnectionError(
+                f"search.remote_url={url}: the tool server does not serve the collection {collection!r} "
+                f"(HTTP {e.code}: {detail}); start it with --data for that collection"
+            ) from None
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+            raise ConnectionError(
+                f"search.remote_url={url}: GET /{collection}/tools failed ({type(e).__name__}: {e})"
+            ) from None
+        if missing := sorted(set(tools) - served):
+            raise ConnectionError(
+                f"search.remote_url={url}: the collection {collection!r} there has no tool {missing} "
+                f"(it serves {sorted(served)})"
+            )
