@@ -222,9 +222,14 @@ class TeacherPolicy:
     """The scripted teacher of one episode (see ``teacher_turns``): called with the messages so far,
     returns the assistant's next turn."""
 
-    def __init__(self, render, first, second, pick: float, hop_query: str = "identifier", answer: str = "empty"):
+    def __init__(
+        self, render, first, second, pick: float, hop_query: str = "identifier", answer: str = "empty", fits=None
+    ):
         self.render, self.first, self.second, self.pick = render, first, second, pick
         self.hop_query, self.answer = hop_query, answer
+        # fits(text): whether a turn of this text fits the per-turn token limit (None: no limit); an answer of ids
+        # is cut to fit, so that no demonstration shows a turn the sampler would cut short
+        self.fits = fits
 
     @property
     def hops(self) -> bool:
@@ -232,7 +237,7 @@ class TeacherPolicy:
 
     def without_hop(self) -> "TeacherPolicy":
         """The same episode with no second search (when the hop's results overflow the context)."""
-        return TeacherPolicy(self.render, self.first, None, 0.0, self.hop_query, self.answer)
+        return TeacherPolicy(self.render, self.first, None, 0.0, self.hop_query, self.answer, self.fits)
 
     def __call__(self, messages) -> str:
         if messages[-1]["role"] == "user":
@@ -244,7 +249,10 @@ class TeacherPolicy:
             queries = candidates(shown, question) if candidates else question_keywords(question)
             if queries:
                 return self.render(self.second, queries[int(self.pick * len(queries))])
-        return render_answer(result_ids(shown)[:10] if self.answer == "ids" else [])
+        ids = result_ids(shown)[:10] if self.answer == "ids" else []
+        while ids and self.fits is not None and not self.fits(render_answer(ids)):
+            ids.pop()
+        return render_answer(ids)
 
 
 def teacher_turns(
@@ -346,6 +354,15 @@ def turn_end(mask: Sequence[int], turns: int) -> int:
             end += 1
         seen += 1
     return end
+
+
+def longest_turn(mask: Sequence[int]) -> int:
+    """The tokens of the longest assistant turn (a run of loss-mask ones, its end token included)."""
+    longest = run = 0
+    for m in mask:
+        run = run + 1 if m else 0
+        longest = max(longest, run)
+    return longest
 
 
 def assistant_turns(mask: Sequence[int]) -> int:
@@ -605,32 +622,44 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     ``samples_per_task`` demonstrations are drawn per task (each with its own draws of the teacher). With
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
     (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration). A
-    demonstration that does not end well (its results overflow the context) is dropped and counted."""
+    demonstration that does not end well (its results overflow the context), or has a turn longer than
+    ``rollout.max_tokens_per_turn`` (which the sampler would cut), is dropped and counted; an answer of ids
+    is cut to the ids that fit that limit (DBpedia's long ids: ten of them do not fit 96 tokens)."""
     cfg = components.warmup
     rng = np.random.default_rng(seeds.numpy_seed(components.run.seed, "demonstrations"))
     driver = EpisodeDriver(components.env, components.chat, components.collector.max_len)
     vocabulary = question_vocabulary(components.train_tasks)
-    demos, drawn, rejected, failed = [], 0, 0, 0
+    budget, encode = components.collector.max_tokens_per_turn, components.chat.encode
+    fits = lambda text: len(encode(text)) + 1 <= budget  # noqa: E731 - the turn's tokens and its end token
+
+    def teacher(hop=None):
+        policy = settings_teacher(cfg, rng, hop)
+        policy.fits = fits
+        return policy
+
+    demos, drawn, rejected, failed, too_long = [], 0, 0, 0, 0
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             for _ in range(cfg.samples_per_task):
-                run = demonstration_run(driver, variant, settings_teacher(cfg, rng))
+                run = demonstration_run(driver, variant, teacher())
                 drawn += 1
                 if run.episode.status != "ok":
                     failed += 1
+                elif longest_turn(run.trajectory.loss_mask) > budget:  # a call the sampler would cut short
+                    too_long += 1
                 elif cfg.min_reward is not None and variant.qrels and run.episode.reward < cfg.min_reward:
                     rejected += 1
                 else:
                     demos.append((run.trajectory.tokens, run.trajectory.loss_mask))
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
-                tokens, mask = demonstration_tokens(driver, variant, settings_teacher(cfg, rng, hop=1.0))
+                tokens, mask = demonstration_tokens(driver, variant, teacher(hop=1.0))
                 if assistant_turns(mask) > 2:
                     demos.append((tokens, decision_untrained(mask)))
-    if log and (rejected or failed):
+    if log and (rejected or failed or too_long):
         log(
             f"demonstrations: {drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, "
-            f"{failed} past the context"
+            f"{failed} past the context, {too_long} with a turn over rollout.max_tokens_per_turn={budget}"
         )
     if not demos:
         raise ValueError(f"no demonstration left for the warm-up ({drawn} drawn, {rejected} rejected, {failed} failed)")

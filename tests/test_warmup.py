@@ -562,3 +562,25 @@ def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step
                 np.testing.assert_allclose(a, b, atol=2e-5)
     columns, weights = loss_columns(np.array([[0, 1, 0, 1, 1], [0, 0, 1, 0, 0]], np.float32), multiple=4)
     assert columns.tolist() == [[1, 3, 4, 0], [2, 0, 0, 0]] and weights.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+
+
+def test_an_answer_of_ids_is_cut_to_the_per_turn_token_limit():
+    from mtrl_jax.chat import parse_answer
+    from mtrl_jax.warmup import longest_turn
+
+    policy = teacher_turns(np.random.default_rng(0), ["bm25_search"], answers=("ids",))
+    shown = "bm25_search results for 'q':\n" + "\n".join(
+        f"[{i}] <dbpedia:Open_{chr(65 + i)}_tuning> | text" for i in range(1, 11)
+    )
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "call"}]
+    messages.append({"role": "tool", "content": shown})
+    assert len(parse_answer(policy(messages))) == 10  # no limit: every id shown
+    policy.fits = lambda text: len(text) <= 120
+    answer = policy(messages)
+    ids = parse_answer(answer)
+    assert (
+        len(answer) <= 120
+        and 1 <= len(ids) < 10
+        and ids == [f"<dbpedia:Open_{chr(65 + i)}_tuning>" for i in range(1, len(ids) + 1)]
+    )
+    assert longest_turn([0, 1, 1, 0, 1, 1, 1, 0]) == 3 and longest_turn([0, 0]) == 0
