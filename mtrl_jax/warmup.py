@@ -662,7 +662,10 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
             f"{failed} past the context, {too_long} with a turn over rollout.max_tokens_per_turn={budget}"
         )
     if not demos:
-        raise ValueError(f"no demonstration left for the warm-up ({drawn} drawn, {rejected} rejected, {failed} failed)")
+        raise ValueError(
+            f"no demonstration left for the warm-up ({drawn} drawn, {rejected} rejected, {failed} past the context, "
+            f"{too_long} with a turn over rollout.max_tokens_per_turn={budget})"
+        )
     return demos
 
 

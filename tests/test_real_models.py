@@ -6,6 +6,7 @@ The transformers side comes from ``tests/fixtures/real/<name>.npz`` (tools/make_
 with torch and transformers installed, the logits and the chat rendering are also compared live."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -120,6 +121,37 @@ def test_the_episode_driver_renders_the_checkpoints_own_chat_template(real):
 
 
 @pytest.mark.slow
+def test_a_warmup_demonstration_is_what_apply_chat_template_renders(real):
+    """A demonstration of the warm-up's scripted teacher (two searches, an answer of ids) built with the
+    checkpoint's chat template: its messages those of the fixture, its tokens exactly the ids transformers'
+    ``apply_chat_template`` gives them (the fixture; live too with torch), its loss on the assistant turns."""
+    name, directory, fixture, record, _, _ = real
+    env, chat = R.environment(directory)
+    run = R.teacher_demonstration(env, chat)
+    assert run.episode.status == "ok" and run.messages == record["demo_messages"]
+    assert [m["role"] for m in run.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    expected = list(fixture["demo_ids"])
+    assert chat.decode(expected[-1:]) == "\n" and run.trajectory.tokens == expected[:-1]
+    trained = chat.decode([t for t, m in zip(run.trajectory.tokens, run.trajectory.loss_mask) if m])
+    assert trained == "".join(
+        m["content"] + chat.decode([chat.im_end_id]) for m in run.messages if m["role"] == "assistant"
+    )
+    torch, transformers = _transformers()
+    if transformers is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+        tools = R.tool_schemas(env) if chat.renders_tools else None
+        assert R.hf_apply(tokenizer, run.messages, tools, add_generation_prompt=False) == expected
+
+
+@pytest.mark.slow
 def test_export_and_reload_is_lossless(real, tmp_path):
     _, _, _, _, model, params = real
     save_hf_checkpoint(model, params, tmp_path / "out")
@@ -158,6 +190,9 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         "--config.rollout.max_tokens_per_turn=24",
         "--config.rollout.decode_chunk=24",
         "--config.rollout.max_len=1024",
+        "--config.warmup.steps=0",  # the RL step alone, every parameter trained (the recipe: the test below)
+        "--config.model.lora_rank=0",
+        "--config.rl.micro_batches=2",
         "--config.rl.entropy_coef=0.01",
         "--config.optim.learning_rate=1e-4",
         "--config.checkpoint.every_steps=1",
@@ -182,3 +217,71 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"]
     )
     assert max(jax.tree.leaves(moved)) > 1e-5
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(tmp_path, shared_data):
+    """configs/real_cpu.py end to end, shrunk to 2 warm-up steps and 1 RL step, on a tiny randomly
+    initialised Llama checkpoint in HF format that carries SmolLM2's tokenizer and chat template: the base
+    evaluation, the warm-up on the four collections' demonstrations, RL with LoRA, the evaluation after;
+    no held-out query in the RL batch."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.model.transformer import Transformer
+
+    directory = R.MODELS_DIR / "smollm2-135m-instruct"
+    if not (directory / "fetch.json").exists():
+        pytest.skip(f"smollm2-135m-instruct not fetched (its tokenizer and template are needed): {directory}")
+    hf = json.loads((directory / "config.json").read_text())
+    hf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    hf["head_dim"] = 16
+    tiny = tmp_path / "tiny"
+    cfg = ModelConfig.from_hf(hf)
+    from mtrl_jax.model import save_hf_checkpoint
+
+    save_hf_checkpoint(Transformer(cfg), init_params(cfg, jax.random.PRNGKey(0)), tiny)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(directory / name, tiny / name)
+    workdir = tmp_path / "run"
+    folders = ",".join(str(shared_data / n) for n in ("scifact", "cranfield", "musique", "dbpedia_entity_5k"))
+    args = [
+        "--config=configs/real_cpu.py",
+        f"--config.model.checkpoint={tiny}",
+        f"--workdir={workdir}",
+        f"--config.data.folders={folders}",
+        "--config.data.max_eval_tasks=8",
+        "--config.eval.before_warmup=True",
+        "--config.warmup.steps=2",
+        "--config.warmup.batch_size=4",
+        "--config.warmup.micro_batches=2",
+        "--config.max_steps=1",
+        "--config.global_batch_size=2",
+        "--config.rollout.group_size=2",
+        "--config.rollout_max_concurrency=4",
+        "--config.rl.micro_batches=1",
+        "--config.search.cache_dir=",
+        "--config.log.progress=False",
+        "--config.rollout.precompile=False",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "[base policy] validation" in out and "[before RL] validation" in out and "[after RL] validation" in out
+    assert re.search(r"warm-up on \d+ scripted demonstrations for 2 steps", out)
+    summary = json.loads((workdir / "summary.json").read_text())
+    for phase in ("base", "before", "after"):
+        assert {"ndcg@10", "failure_rate", "mean_turns", "tool_calls_per_episode"} <= set(summary[phase])
+        collections = {k.split("/")[0] for k in summary[phase]["by_type"]}
+        assert collections <= {"scifact", "cranfield", "musique", "dbpedia_entity_5k"} and collections
+    assert [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+    def task_ids(name):
+        path = workdir / "trajectories" / f"{name}.jsonl"
+        return {json.loads(line)["task_id"] for line in path.read_text().splitlines()}
+
+    assert task_ids("step_000001") and not task_ids("step_000001") & task_ids("eval_before")

@@ -13,7 +13,10 @@ For every model found under ``--models`` this writes ``tests/fixtures/real/<mode
 - a three-turn episode (system with the tools, user, two tool-calling turns, one with two calls, the
   tool responses, the answer) as messages, and the token ids ``apply_chat_template(messages, tools=...)``
   gives. The test replays those very messages through the episode driver (``replay_episode``), so it
-  depends on no collection's text.
+  depends on no collection's text;
+- a warm-up demonstration (``teacher_demonstration``: the scripted teacher of ``mtrl_jax/warmup.py``, a
+  second search on a result's title, an answer of the ids shown, on a synthetic collection) as messages,
+  and the ids ``apply_chat_template`` gives them: the test builds the demonstration again and compares.
 Torch and transformers are needed here only; the tests run without them. The definitions the tests
 share (models, prompts, the episodes) are in this module.
 """
@@ -89,6 +92,18 @@ def scripted_episode(env, chat) -> EpisodeRun:
         ]
     )
     return run_scripted(EpisodeDriver(env, chat, 1 << 20), task, lambda messages: next(turns))
+
+
+def teacher_demonstration(env, chat) -> EpisodeRun:
+    """A warm-up demonstration as ``warmup.demonstrations`` makes one: the scripted teacher (BM25 with 3
+    results, a forced second search on a result's title, an answer of the ids shown) run through the
+    episode driver with the checkpoint's chat template. Seeded, and BM25 only: the same on every machine."""
+    from mtrl_jax.warmup import demonstration_run, teacher_turns
+
+    policy = teacher_turns(
+        np.random.default_rng(7), ["bm25_search"], top_ks=(3,), hop=1.0, hop_queries=("title",), answers=("ids",)
+    )
+    return demonstration_run(EpisodeDriver(env, chat, 1 << 20), env.collection.tasks[1], policy)
 
 
 class ReplayEnvironment(Environment):
@@ -176,11 +191,14 @@ def main(argv=None) -> None:
             print(f"{name} greedy {i}: {tokenizer.decode(out[f'greedy{i}_tokens'])!r}")
         run = scripted_episode(env, chat)
         out["episode_ids"] = np.asarray(hf_apply(tokenizer, run.messages, tools, add_generation_prompt=False), np.int32)
+        demo = teacher_demonstration(env, chat)
+        out["demo_ids"] = np.asarray(hf_apply(tokenizer, demo.messages, tools, add_generation_prompt=False), np.int32)
         record = {
             "gguf_sha256": json.loads((directory / "fetch.json").read_text())["gguf_sha256"],
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "messages": run.messages,
+            "demo_messages": demo.messages,
         }
         out["record"] = np.frombuffer(json.dumps(record).encode(), np.uint8)
         np.savez_compressed(FIXTURES / f"{name}.npz", **out)
