@@ -27,7 +27,8 @@ TINY = {
 
 
 @pytest.mark.slow
-def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path, lora_rank):
     model = tmp_path / "tiny.json"
     model.write_text(json.dumps(TINY))
     # one length branch (--max_len 512) and the sampler shapes compiled as met: 25 s instead of 76 s
@@ -62,6 +63,8 @@ def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
             "0",
             "--workdir",
             str(tmp_path / "w"),
+            "--lora_rank",
+            str(lora_rank),
         ],
         cwd=REPO,
         env=env,
@@ -72,6 +75,7 @@ def test_accelerator_check_runs_rl_steps_and_reports_throughput(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "sampled tokens/s" in out and "trained tokens/s" in out and "MFU" in out
+    assert ("LoRA rank 4 adapters trained" if lora_rank else "every parameter trained") in out
     assert (tmp_path / "w" / "random-tiny" / "tokenizer.json").exists()  # the random checkpoint and its tokenizer
     steps = [json.loads(line) for line in (tmp_path / "w" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["throughput/trained_tokens_per_s"] > 0 for s in steps)

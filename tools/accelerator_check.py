@@ -4,6 +4,7 @@ device's bf16 peak, and peak device memory.
 
     bash tools/accelerator_check.sh                       # random weights, Qwen3-0.6B shape
     bash tools/accelerator_check.sh --checkpoint DIR      # a real HF checkpoint (with tokenizer.json)
+    bash tools/accelerator_check.sh --lora_rank 16        # LoRA adapters train, the base is frozen
 
 With random weights the tokenizer is trained on the synthetic collection (the model keeps Qwen3's
 151,936-row vocabulary) and the checkpoint is written once to ``<workdir>/random-<model>``; the
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--micro_batches", type=int, default=4, help="rl.micro_batches (gradient accumulation)")
     p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor; -1 takes the remaining devices")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
+    p.add_argument("--lora_rank", type=int, default=0, help="model.lora_rank: 0 trains every parameter")
     p.add_argument(
         "--peak_tflops", type=float, default=0.0, help="bf16 peak per device (default: from the device kind)"
     )
@@ -127,6 +129,7 @@ def main(argv=None):
     config.rl.micro_batches = args.micro_batches
     config.model.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     config.model.dtype, config.model.remat = args.dtype, True
+    config.model.lora_rank = args.lora_rank
     config.model.scan_unroll = 1  # a loop over the layers (the CPU default unrolls them)
     config.rl.logprob_chunk = 512  # chunked, recomputed log-probs: the accelerator's memory goes to the batch
     config.data.max_eval_tasks = 8
@@ -160,7 +163,9 @@ def main(argv=None):
     trained = statistics.median(s["throughput/trained_tokens_per_s"] for s in timed)
     peak = device_peak(kind, args.peak_tflops)
     memory = max((s.get("memory/peak_device_gib", 0.0) for s in steps), default=0.0)
-    print(f"\n{n_params / 1e6:,.1f} M parameters, {len(devices)} x {kind}, median of RL steps 2..{len(steps)}:")
+    trains = f"LoRA rank {args.lora_rank} adapters" if args.lora_rank else "every parameter"
+    print(f"\n{n_params / 1e6:,.1f} M parameters ({trains} trained), {len(devices)} x {kind}", end="")
+    print(f", median of RL steps 2..{len(steps)}:")
     print(f"  sampled tokens/s {sampled:12,.0f}", end="")
     print(f"   MFU {2 * n_params * sampled / (len(devices) * peak * 1e12):.1%}" if peak else "")
     print(f"  trained tokens/s {trained:12,.0f}", end="")
@@ -174,6 +179,7 @@ def main(argv=None):
         "trained_tokens_per_s": trained,
         "peak_memory_gib": memory,
         "params": n_params,
+        "lora_rank": args.lora_rank,
     }
 
 
