@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters stay float32)")
     p.add_argument("--lora_rank", type=int, default=0, help="model.lora_rank: 0 trains every parameter")
     p.add_argument(
+        "--warmup_steps", type=int, default=0, help="warmup.steps (0: none; the random policy babbles, as timing needs)"
+    )
+    p.add_argument(
         "--peak_tflops", type=float, default=0.0, help="bf16 peak per device (default: from the device kind)"
     )
     p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
@@ -130,6 +133,7 @@ def main(argv=None):
     config.model.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     config.model.dtype, config.model.remat = args.dtype, True
     config.model.lora_rank = args.lora_rank
+    config.warmup.steps = args.warmup_steps  # the default's 3,000 supervised steps are not what is timed
     config.model.scan_unroll = 1  # a loop over the layers (the CPU default unrolls them)
     config.rl.logprob_chunk = 512  # chunked, recomputed log-probs: the accelerator's memory goes to the batch
     config.data.max_eval_tasks = 8
