@@ -638,24 +638,33 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
         return policy
 
     demos, drawn, rejected, failed, too_long = [], 0, 0, 0, 0
+
+    def usable(run, judged: bool) -> bool:
+        nonlocal failed, too_long, rejected
+        if run.episode.status != "ok":
+            failed += 1
+        elif longest_turn(run.trajectory.loss_mask) > budget:  # a call the sampler would cut short
+            too_long += 1
+        elif judged and cfg.min_reward is not None and run.episode.reward < cfg.min_reward:
+            rejected += 1
+        else:
+            return True
+        return False
+
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             for _ in range(cfg.samples_per_task):
                 run = demonstration_run(driver, variant, teacher())
                 drawn += 1
-                if run.episode.status != "ok":
-                    failed += 1
-                elif longest_turn(run.trajectory.loss_mask) > budget:  # a call the sampler would cut short
-                    too_long += 1
-                elif cfg.min_reward is not None and variant.qrels and run.episode.reward < cfg.min_reward:
-                    rejected += 1
-                else:
+                if usable(run, bool(variant.qrels)):
                     demos.append((run.trajectory.tokens, run.trajectory.loss_mask))
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
-                tokens, mask = demonstration_tokens(driver, variant, teacher(hop=1.0))
-                if assistant_turns(mask) > 2:
-                    demos.append((tokens, decision_untrained(mask)))
+                run = demonstration_run(driver, variant, teacher(hop=1.0))
+                drawn += 1
+                mask = run.trajectory.loss_mask
+                if usable(run, False) and assistant_turns(mask) > 2:
+                    demos.append((run.trajectory.tokens, decision_untrained(mask)))
     if log and (rejected or failed or too_long):
         log(
             f"demonstrations: {drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, "

@@ -61,9 +61,10 @@ def test_plan_reports_per_device_memory_and_flops(tmp_path):
     assert "decode" not in eight  # --only update compiles one program
     for f in (one["update"], one["decode"], eight["update"]):
         assert f["peak_bytes"] == f["argument_bytes"] + f["output_bytes"] - f["alias_bytes"] + f["temp_bytes"]
-    # FLOPs per step, counted through the layer loop: at least the 8 N per token of forward + backward
+    # FLOPs per step, counted through the layer loop: at least 8 per token and matmul weight (forward 2,
+    # backward 4, the rematerialized forward 2); the input embedding is a gather, it multiplies nothing
     tokens = 8 * 128
-    assert one["update"]["flops"] >= 8 * n * tokens
+    assert one["update"]["flops"] >= 8 * (n - 512 * 256) * tokens
     # sharded 8 ways: each device holds 1/8 of the parameters and optimizer state, and does about 1/8 of the FLOPs
     assert eight["update"]["argument_bytes"] < one["update"]["argument_bytes"] / 6
     assert 0.1 < eight["update"]["flops"] / one["update"]["flops"] < 0.16

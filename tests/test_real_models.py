@@ -181,6 +181,7 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         f"--config.model.checkpoint={directory}",
         f"--workdir={workdir}",
         f"--config.data.folders={shared_data / 'cranfield'}",
+        "--config.data.weights=1",
         "--config.data.validation_min=0",
         "--config.data.max_eval_tasks=2",
         "--config.max_steps=2",

@@ -28,8 +28,8 @@ SMALL = [
     "--config.log.progress=False",
     "--config.model.tiny_layers=1",
     "--config.rl.mini_batches=1",
-    "--config.rollout.max_tokens_per_turn=24",
-    "--config.rollout.decode_chunk=24",
+    "--config.rollout.max_tokens_per_turn=48",  # the default's demonstrations have turns of up to 47 tokens
+    "--config.rollout.decode_chunk=48",
     # small batches: one micro-batch, one length branch (a quick compile)
     "--config.rl.micro_batches=1",
     "--config.rl.length_bucket=512",
@@ -184,7 +184,7 @@ def test_overrides_and_typos():
     with pytest.raises(AttributeError):
         config.rl.lossy = "ppo"
     real = qwen3_search.get_config()
-    assert real.model.param_dtype == "bfloat16" and real.model.dtype == "bfloat16"
+    assert real.model.param_dtype == "float32" and real.model.dtype == "bfloat16"  # a float32 master copy
 
 
 @pytest.mark.slow
@@ -224,6 +224,7 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
         "--config.rl.length_bucket=1024",
         "--config.eval.every_steps=0",
         "--config.model.remat=False",
+        "--config.warmup.steps=0",  # the config's own (SMALL warms up): an instruct checkpoint knows the protocol
         config="configs/qwen3_search.py",
     )
     summary = json.loads((tmp_path / "run/summary.json").read_text())
@@ -369,7 +370,7 @@ def test_a_second_run_on_the_same_workdir_stops_at_once(tmp_path):
         cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={tmp_path}", *SMALL]
         start = time.time()
         second = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-        assert second.returncode != 0 and f"the work directory is in use by pid {first.pid}" in second.stderr
+        assert second.returncode != 0 and f"the work directory {tmp_path} is in use by pid {first.pid}" in second.stderr
         assert time.time() - start < 60
     finally:
         first.kill()

@@ -456,7 +456,7 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
                 run=types.SimpleNamespace(seed=0),
                 env=env,
                 chat=chat,
-                collector=types.SimpleNamespace(max_len=4096),
+                collector=types.SimpleNamespace(max_len=4096, max_tokens_per_turn=256),
                 train_tasks=tasks,
             )
         )
@@ -599,6 +599,7 @@ def test_no_held_out_query_reaches_a_demonstration_or_the_rl_schedule(tmp_path, 
     config.data.validation_min = 25
     config.warmup.augment = 0
     config.rollout.max_len = 4096
+    config.rollout.max_tokens_per_turn = 1024  # the default's small tokenizer spells real text nearly by letter
     c = build(config, tmp_path)
     held_out = {t.task_id for t in c.val_tasks}
     assert len(held_out) >= 50 and not held_out & {t.task_id for t in c.train_tasks}

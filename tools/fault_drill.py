@@ -44,8 +44,8 @@ SMALL = [
     "--config.log.progress=False",
     "--config.model.tiny_layers=1",
     "--config.rl.mini_batches=1",
-    "--config.rollout.max_tokens_per_turn=24",
-    "--config.rollout.decode_chunk=24",
+    "--config.rollout.max_tokens_per_turn=48",  # the default's demonstrations have turns of up to 47 tokens
+    "--config.rollout.decode_chunk=48",
     "--config.rl.micro_batches=1",
     "--config.rl.length_bucket=512",
 ]
