@@ -23,8 +23,9 @@ def get_config():
     c.model.checkpoint = "models/smollm2-135m-instruct"
     c.model.chat_template = "checkpoint"
     c.model.scan_unroll = 1  # a loop over the 30 layers: compiles in seconds, not minutes
-    # no recomputation in the backward pass: the update and the warm-up take micro-batches of 2 rows instead
-    c.model.remat = False
+    # recompute each layer in the backward pass: the RL update of 16 x 1024 tokens peaks at 3.6 GiB resident
+    # instead of 7.0 GiB, for about 1.1x its time (measured on 2 cores)
+    c.model.remat = True
     c.model.lora_rank = 16
     c.model.lora_alpha = 32.0
     c.data.synthetic = False
