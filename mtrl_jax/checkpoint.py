@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 
 from mtrl_jax import distributed
 from mtrl_jax.data.schedule import DataCursor
+from mtrl_jax.metrics import flatten
 from mtrl_jax.model.hf_io import is_float
 from mtrl_jax.rl.train_step import TrainState
 
@@ -259,16 +260,6 @@ RUN_DEFINING = ("model.", "rl.kl_coef")
 RUNTIME_ONLY = {"model.remat", "model.attention_impl", "model.attention_chunk", "model.scan_unroll", "model.dtype"}
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def check_run_config(workdir: pathlib.Path, config) -> None:
     """``<workdir>/config.json``: written when the run starts (no checkpoint yet); on a resume, a model or
     ``rl.kl_coef`` setting that differs from it is a ``CheckpointError`` naming the field and both values."""
@@ -276,8 +267,8 @@ def check_run_config(workdir: pathlib.Path, config) -> None:
     now = json.loads(config.to_json_best_effort())
     resuming = any(p.name.isdigit() for p in (pathlib.Path(workdir) / "checkpoints").glob("*"))
     if resuming and path.exists():
-        then = _flat(json.loads(path.read_text()))
-        for field, value in _flat(now).items():
+        then = flatten(json.loads(path.read_text()), sep=".")
+        for field, value in flatten(now, sep=".").items():
             if field.startswith(RUN_DEFINING) and field not in RUNTIME_ONLY and then.get(field, value) != value:
                 raise CheckpointError(
                     f"{path}: this run started with {field}={then[field]!r}, not {value!r}; "

@@ -187,14 +187,15 @@ def type_metrics(groups: Sequence[Sequence]) -> dict:
     return out
 
 
-def flatten(d: dict, prefix: str) -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"prefix/a/b": 1}``."""
+def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"prefix/a/b": 1}`` (``{"a/b": 1}`` without a prefix)."""
     out = {}
     for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
         if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}/{k}"))
+            out.update(flatten(v, key, sep))
         else:
-            out[f"{prefix}/{k}"] = v
+            out[key] = v
     return out
 
 

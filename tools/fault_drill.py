@@ -437,20 +437,28 @@ def kills_during_saves(out: pathlib.Path):
     return ok, f"{kills} SIGKILLs mid-save, then resumed: metrics steps {steps}, restorable checkpoints {good}"
 
 
-@scenario("two runs on one work directory")
-def concurrent_runs(out: pathlib.Path):
-    workdir = out / "shared_workdir"
+def second_run_on_a_held_workdir(workdir: pathlib.Path, delete_first: bool = False):
+    """Start a long run on ``workdir``; once it holds the lock (and, with ``delete_first``, after an ``rm -rf``
+    of the directory under it) start a second run there: ``(exit code, output, seconds, first run's pid)``
+    of the second."""
     shutil.rmtree(workdir, ignore_errors=True)
     first = train(workdir, "--config.warmup.steps=3000", wait=False)
     try:
         while not (workdir / "run.lock").exists() or "pid" not in (workdir / "run.lock").read_text():
             time.sleep(0.1)
+        if delete_first:
+            shutil.rmtree(workdir)  # rm -rf under the live run
         start = time.perf_counter()
         code, output = train(workdir)
-        seconds = time.perf_counter() - start
+        return code, output, time.perf_counter() - start, first.pid
     finally:
         first.kill()
         first.wait()
+
+
+@scenario("two runs on one work directory")
+def concurrent_runs(out: pathlib.Path):
+    code, output, seconds, _ = second_run_on_a_held_workdir(out / "shared_workdir")
     ok = code != 0 and "in use by pid" in output
     return ok, f"second run refused in {seconds:.1f} s: {output.strip().splitlines()[-1][-90:]}"
 
@@ -544,18 +552,8 @@ def nonfinite_rates(out: pathlib.Path):
 
 @scenario("4: a deleted work directory or checkpoints/")
 def lock_after_delete(out: pathlib.Path):
-    workdir = out / "deleted_workdir"
-    shutil.rmtree(workdir, ignore_errors=True)
-    first = train(workdir, "--config.warmup.steps=3000", wait=False)
-    try:
-        while not (workdir / "run.lock").exists() or "pid" not in (workdir / "run.lock").read_text():
-            time.sleep(0.1)
-        shutil.rmtree(workdir)  # rm -rf under the live run
-        code, output = train(workdir)
-    finally:
-        first.kill()
-        first.wait()
-    refused = code != 0 and f"in use by pid {first.pid}" in output
+    code, output, _, first_pid = second_run_on_a_held_workdir(out / "deleted_workdir", delete_first=True)
+    refused = code != 0 and f"in use by pid {first_pid}" in output
     again = out / "deleted_checkpoints"
     shutil.rmtree(again, ignore_errors=True)
     code_first, _ = train(again, "--config.max_steps=2")
