@@ -454,3 +454,33 @@ def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(tmp_pat
     vocab = json.loads((tmp_path / "run/tokenizer.json").read_text())["model"]["vocab"]
     added = json.loads((tmp_path / "run/tokenizer.json").read_text())["added_tokens"]
     assert (len(vocab) + len({t["id"] for t in added} - set(vocab.values()))) % 8  # the vocabulary 8 does not divide
+
+
+@pytest.mark.slow
+def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adapters(tmp_path):
+    """tools/export_hf on a work directory of one LoRA RL step: the merged export reloads as a plain model whose
+    logits are the trained policy's (adapters included); --peft writes the adapters alone."""
+    from experiments.sweep import load_config
+    from mtrl_jax.evaluate import restore_params
+    from mtrl_jax.model import compute_logits, load_hf_checkpoint, lora
+    from mtrl_jax.model.transformer import Transformer
+    from mtrl_jax.setup import build
+    from tools import export_hf
+
+    run = ["--config.model.lora_rank=4", "--config.warmup.steps=0", "--config.max_steps=1"]
+    run += ["--config.rl.entropy_coef=0.01", "--config.optim.warmup_steps=0"]  # a gradient whatever the rewards
+    _run(tmp_path / "run", *run)
+    export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "merged"), *SMALL, *run])
+    export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "peft"), "--peft", *SMALL, *run])
+    c = build(load_config("configs/default.py", [*SMALL, *run]), tmp_path / "run", train_tokenizer_if_missing=False)
+    trained = c.updater.full(restore_params(tmp_path / "run", c))
+    _, adapters = lora.split(trained)
+    b_leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(adapters)[0] if "lora_b" in str(path[-1])]
+    assert b_leaves and any(np.abs(np.asarray(b)).max() > 0 for b in b_leaves)  # B moved off zero: trained
+    tokens = np.arange(2, 66, dtype=np.int32).reshape(2, 32) % c.model_cfg.vocab_size
+    ours = np.asarray(compute_logits(Transformer(c.model_cfg), trained, tokens))
+    model, params = load_hf_checkpoint(tmp_path / "merged")
+    assert model.config.lora_rank == 0 and (tmp_path / "merged/tokenizer.json").exists()
+    np.testing.assert_allclose(np.asarray(compute_logits(model, params, tokens)), ours, atol=1e-4)
+    adapter = json.loads((tmp_path / "peft/adapter_config.json").read_text())
+    assert adapter["r"] == 4 and (tmp_path / "peft/adapter_model.safetensors").exists()
