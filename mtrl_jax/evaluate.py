@@ -103,11 +103,7 @@ def run_evaluation(
     file per dataset (first sample) and, with ``compare``, ``compare.md``."""
     out = pathlib.Path(out_dir)
     if checkpoint is not None:
-        workdir = pathlib.Path(checkpoint)
-        if not (workdir / "checkpoints").is_dir():
-            raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
-        components = build(config, workdir, train_tokenizer_if_missing=False)
-        params = components.updater.full(restore_params(workdir, components))
+        components, params = trained_policy(config, checkpoint)
     else:
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
         params = components.updater.full(components.params)
@@ -159,6 +155,15 @@ def single_search_baselines(config, tools: Sequence[str] = ("bm25", "dense", "fu
         results = evaluate_retrieval(dataclasses.replace(collection, tasks=tasks), tools, search_settings(config))
         out[name] = {"queries": len(tasks), **{tool: r["ndcg@10"] for tool, r in results.items()}}
     return out
+
+
+def trained_policy(config, workdir):
+    """``(components, every parameter of workdir's latest checkpoint)``: the trained policy, adapters included."""
+    workdir = pathlib.Path(workdir)
+    if not (workdir / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
+    components = build(config, workdir, train_tokenizer_if_missing=False)
+    return components, components.updater.full(restore_params(workdir, components))
 
 
 def restore_params(workdir: pathlib.Path, components):

@@ -25,16 +25,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def export(config, workdir, out, peft: bool = False) -> pathlib.Path:
     """Write ``workdir``'s latest policy to ``out`` (see the module's docstring); returns ``out``."""
-    from mtrl_jax.evaluate import restore_params
+    from mtrl_jax.evaluate import trained_policy
     from mtrl_jax.model import lora, save_hf_checkpoint
     from mtrl_jax.model.transformer import Transformer
-    from mtrl_jax.setup import build
 
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
-    if not (workdir / "checkpoints").is_dir():
-        raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
-    components = build(config, workdir, train_tokenizer_if_missing=False)
-    params = components.updater.full(restore_params(workdir, components))
+    components, params = trained_policy(config, workdir)
     cfg = components.model_cfg
     if peft:
         if not cfg.lora_rank:
