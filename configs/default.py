@@ -186,6 +186,10 @@ def get_config():
     # results are most of a demonstration (real models); off on the default, whose learning depends on rounding
     c.warmup.loss_columns_only = False
     c.warmup.micro_batches = 1  # a step's rows in slices, gradients accumulated: less memory (needs loss_columns_only)
+    # with LoRA (model.lora_rank > 0): the warm-up trains every base weight (a policy trained from scratch, like
+    # the tiny default, cannot learn the protocol through adapters over a random base); RL then trains fresh
+    # adapters over the warmed-up base, which is frozen (and is the KL reference with the adapters off)
+    c.warmup.train_base = False
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL

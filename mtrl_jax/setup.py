@@ -96,6 +96,7 @@ class WarmupSettings:
     min_reward: Optional[float] = None  # rejection sampling: keep demonstrations at least this good (warmup.min_reward)
     loss_columns_only: bool = False  # the output projection at the trained columns only (warmup.loss_columns_only)
     micro_batches: int = 1  # a step's rows in this many slices, gradients accumulated (warmup.micro_batches)
+    train_base: bool = False  # the warm-up trains the base weights, RL fresh adapters over them (warmup.train_base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,6 +465,16 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         raise ValueError(f"warmup.samples_per_task must be >= 1, got {w.samples_per_task}")
     if not -1.0 <= w.min_reward <= 1.0:
         raise ValueError(f"warmup.min_reward must be in [-1, 1] (-1: keep every demonstration), got {w.min_reward}")
+    if w.train_base and not config.model.lora_rank:
+        raise ValueError(
+            "warmup.train_base=True trains the base in the warm-up and LoRA adapters over it in RL; it needs "
+            f"model.lora_rank > 0 (got {config.model.lora_rank}: without adapters every weight trains in both already)"
+        )
+    if w.train_base and config.model.param_dtype != "float32":
+        raise ValueError(
+            f"warmup.train_base=True with model.param_dtype={config.model.param_dtype!r}: the warm-up would update the "
+            "base weights in that dtype, where a small step rounds away; use model.param_dtype='float32'"
+        )
     hop_queries, hop_query_probs = parse_choices(w.teacher_hop_queries, HOP_QUERIES, "warmup.teacher_hop_queries")
     answers, answer_probs = parse_choices(w.teacher_answers, ANSWERS, "warmup.teacher_answers")
     return WarmupSettings(
@@ -489,6 +500,7 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         min_reward=None if w.min_reward <= -1.0 else float(w.min_reward),
         loss_columns_only=bool(w.loss_columns_only),
         micro_batches=int(w.micro_batches),
+        train_base=bool(w.train_base),
     )
 
 

@@ -26,7 +26,7 @@ from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slot
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.setup import Components, build
-from mtrl_jax.warmup import resume_or_warm_up
+from mtrl_jax.warmup import restore_warmed_base, resume_or_warm_up
 
 log = logging.getLogger("mtrl_jax")
 
@@ -120,6 +120,8 @@ class Trainer:
         if restored is not None:
             self.state, self.record = restored
             log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
+            if self.c.warmup is not None and self.c.warmup.train_base:  # the base the adapters train over
+                self.c.updater.frozen = restore_warmed_base(self.c, self.checkpoints)
             if distributed.is_primary():
                 M.truncate_logs(self.workdir, self.record.rl_step)
             self.publish(self.state.params, self.record.rl_step)
@@ -149,8 +151,11 @@ class Trainer:
         if progress.step < self.c.warmup.steps:
             log.warning("stopped: warm-up progress written at step %d of %d", progress.step, self.c.warmup.steps)
             raise SystemExit(self.stop_code or 143)
-        self.state = self.c.updater.init_state(progress.params, self.state.rng)
-        self.publish(progress.params, 0)
+        trainable = progress.params
+        if self.c.warmup.train_base:  # the warmed-up base is frozen; the fresh adapters (B = 0) train in RL
+            self.c.updater.frozen, trainable = progress.params, self.state.params
+        self.state = self.c.updater.init_state(trainable, self.state.rng)
+        self.publish(trainable, 0)
 
     def _start_compiles(self):
         """The update and every sampler shape compiled in the background while the warm-up and first evaluation run."""

@@ -32,6 +32,7 @@ import optax
 
 from mtrl_jax import rng as seeds
 from mtrl_jax.chat import render_answer, render_tool_call
+from mtrl_jax.checkpoint import CheckpointError
 from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
@@ -685,15 +686,17 @@ def warm_up(
     resume: Optional[WarmupProgress] = None,
     should_stop: Optional[Callable[[], bool]] = None,
 ) -> WarmupProgress:
-    """The embedded default's warm-up of ``params``: ``supervised_warmup`` on ``demonstrations``."""
+    """The embedded default's warm-up of ``params`` (``warmed_parameters``): ``supervised_warmup`` on
+    ``demonstrations``."""
     cfg = components.warmup
+    model_cfg, frozen = warmup_model(components)
     demos = demonstrations(components, log)
     log(
         f"warm-up on {len(demos)} scripted demonstrations for {cfg.steps} steps"
         + (f", continuing at step {resume.step}" if resume is not None else "")
     )
     return supervised_warmup(
-        components.model_cfg,
+        model_cfg,
         params,
         demos,
         cfg.steps,
@@ -708,20 +711,35 @@ def warm_up(
         share_prefix=cfg.share_prefix,
         full_every=cfg.full_every,
         two_turn_every=cfg.two_turn_every,
-        frozen=components.updater.frozen,
+        frozen=frozen,
         columns_only=cfg.loss_columns_only,
         micro_batches=cfg.micro_batches,
         max_nonfinite_steps=components.run.max_nonfinite_steps,
     )
 
 
+def warmup_model(components) -> tuple[ModelConfig, dict]:
+    """``(model config, frozen parameters)`` of the warm-up: those of RL (the LoRA adapters train over the
+    frozen base, or every parameter), or with ``warmup.train_base`` the base model alone, all of it trained."""
+    if components.warmup.train_base:
+        return components.model_cfg.replace(lora_rank=0), {}
+    return components.model_cfg, components.updater.frozen
+
+
+def warmed_parameters(components, trainable):
+    """What the warm-up trains: RL's ``trainable`` parameters, or with ``warmup.train_base`` the base."""
+    return components.updater.frozen if components.warmup.train_base else trainable
+
+
 def resume_or_warm_up(
     components, checkpoints, params, log=print, should_stop: Optional[Callable[[], bool]] = None
 ) -> WarmupProgress:
-    """The warm-up of ``params``, continued from the progress saved in the work directory
-    (``checkpoints.restore_warmup``), its progress saved again at the end or when ``should_stop()``
-    turned true (then ``step < steps``: the caller stops, and the next run continues it exactly)."""
+    """The warm-up of ``params`` (RL's trainable parameters; the base with ``warmup.train_base``), continued
+    from the progress saved in the work directory (``checkpoints.restore_warmup``), its progress saved again
+    at the end or when ``should_stop()`` turned true (then ``step < steps``: the caller stops, and the next
+    run continues it exactly)."""
     cfg = components.warmup
+    params = warmed_parameters(components, params)
     like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, params)
     saved = checkpoints.restore_warmup(params, like_opt)
     progress = (
@@ -733,3 +751,20 @@ def resume_or_warm_up(
         progress = warm_up(components, params, log=log, resume=progress, should_stop=should_stop)
         checkpoints.save_warmup(progress.params, progress.opt_state, progress.step, progress.rng_state, progress.losses)
     return progress
+
+
+def restore_warmed_base(components, checkpoints):
+    """The warmed-up base that RL's adapters train over (``warmup.train_base``), from the work directory's
+    warm-up checkpoint: a run that resumes RL, or a trained policy loaded for evaluation or export."""
+    cfg = components.warmup
+    base = components.updater.frozen
+    like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, base)
+    saved = checkpoints.restore_warmup(base, like_opt)
+    if saved is None or saved[2]["step"] < cfg.steps:
+        found = "none" if saved is None else f"step {saved[2]['step']} of {cfg.steps}"
+        raise CheckpointError(
+            f"{checkpoints.warmup_path}: warmup.train_base=True, and the RL adapters train over the base the warm-up "
+            f"trained, but its finished warm-up checkpoint is missing (found: {found}); restore that directory or "
+            "start over in a new workdir"
+        )
+    return saved[0]

@@ -3,6 +3,7 @@
 import json
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -484,3 +485,62 @@ def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adap
     np.testing.assert_allclose(np.asarray(compute_logits(model, params, tokens)), ours, atol=1e-4)
     adapter = json.loads((tmp_path / "peft/adapter_config.json").read_text())
     assert adapter["r"] == 4 and (tmp_path / "peft/adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_up_base(tmp_path):
+    """warmup.train_base: the warm-up trains every base weight, RL fresh adapters over the warmed-up base, which
+    a resumed run and the trained-policy loader (evaluation, export) take from the warm-up checkpoint; without
+    that checkpoint a resumed run stops with an error naming it."""
+    from experiments.sweep import load_config
+    from mtrl_jax.evaluate import restore_params, trained_policy
+    from mtrl_jax.model import lora
+    from mtrl_jax.setup import build
+
+    run = ["--config.model.lora_rank=4", "--config.warmup.train_base=True", "--config.rl.kl_coef=0.0"]
+    run += ["--config.rl.entropy_coef=0.01", "--config.optim.warmup_steps=0"]  # a gradient whatever the rewards
+    _run(tmp_path / "run", *run, "--config.max_steps=1")
+    out = _run(tmp_path / "run", *run, "--config.max_steps=2")
+    assert "resumed from" in out
+    _run(tmp_path / "straight", *run, "--config.max_steps=2")
+    config = load_config("configs/default.py", [*SMALL, *run, "--config.max_steps=2"])
+    c, trained = trained_policy(config, tmp_path / "run")
+    initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).updater.frozen
+    warmed = ocp.StandardCheckpointer().restore((tmp_path / "run/warmup/state").absolute())["params"]
+    base, adapters = lora.split(trained)
+    leaves = jax.tree_util.tree_leaves
+    assert jax.tree.structure(base) == jax.tree.structure(warmed) == jax.tree.structure(initial)
+    for got, want in zip(leaves(base), leaves(warmed)):  # the policy's base is the warmed-up one ...
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves(initial), leaves(warmed)))  # ... which trained
+    # the RL checkpoints hold the adapters alone, and they trained (B off zero)
+    assert jax.tree.structure(restore_params(tmp_path / "run", c)) == jax.tree.structure(adapters)
+    b_leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(adapters)[0] if "lora_b" in str(path[-1])]
+    assert b_leaves and any(np.abs(np.asarray(b)).max() > 0 for b in b_leaves)
+    # the resumed step ran over the warmed-up base too: the same adapters as two steps in one run
+    straight = restore_params(tmp_path / "straight", c)
+    for got, want in zip(leaves(adapters), leaves(straight)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    shutil.rmtree(tmp_path / "run" / "warmup")
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={tmp_path / 'run'}"]
+        + [*SMALL, *run, "--config.max_steps=3"],
+        cwd=REPO,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode != 0 and "warmup.train_base=True" in proc.stdout + proc.stderr
+    assert str(tmp_path / "run" / "warmup") in proc.stdout + proc.stderr
+
+
+def test_a_warm_up_of_the_base_needs_adapters_and_float32():
+    from experiments.sweep import load_config
+    from mtrl_jax.setup import warmup_settings
+
+    with pytest.raises(ValueError, match="model.lora_rank > 0"):
+        warmup_settings(load_config("configs/default.py", ["--config.warmup.train_base=True"]))
+    bf16 = ["--config.warmup.train_base=True", "--config.model.lora_rank=4", "--config.model.param_dtype=bfloat16"]
+    with pytest.raises(ValueError, match="model.param_dtype='float32'"):
+        warmup_settings(load_config("configs/default.py", bf16))
