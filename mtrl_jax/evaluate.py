@@ -25,7 +25,7 @@ from mtrl_jax.rollout.staleness import PublishedParams
 from mtrl_jax.search.metrics import write_trec_run
 from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.setup import build, build_data, search_settings
-from mtrl_jax.warmup import restore_warmed_base
+from mtrl_jax.warmup import use_warmed_base
 
 
 def markdown_table(results: dict, k: int | None = None) -> str:
@@ -164,12 +164,11 @@ def trained_policy(config, workdir):
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
     components = build(config, workdir, train_tokenizer_if_missing=False)
-    if components.warmup is not None and components.warmup.train_base:  # adapters over the warmed-up base
-        checkpoints = Checkpoints(workdir)
-        try:
-            components.updater.frozen = restore_warmed_base(components, checkpoints)
-        finally:
-            checkpoints.close()
+    checkpoints = Checkpoints(workdir)
+    try:
+        use_warmed_base(components, checkpoints)  # warmup.train_base: adapters over the warmed-up base
+    finally:
+        checkpoints.close()
     return components, components.updater.full(restore_params(workdir, components))
 
 

@@ -26,7 +26,7 @@ from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slot
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.setup import Components, build
-from mtrl_jax.warmup import restore_warmed_base, resume_or_warm_up
+from mtrl_jax.warmup import resume_or_warm_up, use_warmed_base
 
 log = logging.getLogger("mtrl_jax")
 
@@ -120,8 +120,7 @@ class Trainer:
         if restored is not None:
             self.state, self.record = restored
             log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
-            if self.c.warmup is not None and self.c.warmup.train_base:  # the base the adapters train over
-                self.c.updater.frozen = restore_warmed_base(self.c, self.checkpoints)
+            use_warmed_base(self.c, self.checkpoints)  # warmup.train_base: the base the adapters train over
             if distributed.is_primary():
                 M.truncate_logs(self.workdir, self.record.rl_step)
             self.publish(self.state.params, self.record.rl_step)

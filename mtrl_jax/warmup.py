@@ -753,6 +753,13 @@ def resume_or_warm_up(
     return progress
 
 
+def use_warmed_base(components, checkpoints) -> None:
+    """With ``warmup.train_base``, the updater's frozen base becomes the one the warm-up trained (a run that
+    resumes RL, a trained policy loaded for evaluation or export); otherwise nothing changes."""
+    if components.warmup is not None and components.warmup.train_base:
+        components.updater.frozen = restore_warmed_base(components, checkpoints)
+
+
 def restore_warmed_base(components, checkpoints):
     """The warmed-up base that RL's adapters train over (``warmup.train_base``), from the work directory's
     warm-up checkpoint: a run that resumes RL, or a trained policy loaded for evaluation or export."""
