@@ -28,6 +28,11 @@ the LM head with the
 log-softmax gather (the project's ``token_logprobs``, entropy included, vs ``lm_head`` +
 ``log_softmax`` + ``gather``). Each backward is taken with respect to the inputs and the weights.
 
+``--equal_groups F`` instead times the project's update with and without ``rl.skip_zero_advantage``
+(alternated, same batch), where a share ``F`` of the groups have all-equal rewards (advantage 0, as
+GRPO gives a group whose samples all score the same): the skipped micro-batches' forward and backward
+against computing them.
+
 ``--baseline REV`` instead times the project's update against itself at another commit: the same
 harness, run in child processes with ``mtrl_jax`` imported from a git worktree of ``REV`` or from
 this tree, alternated ``--rounds`` times (each child a warm-up call and ``--repeats`` timed ones);
@@ -73,13 +78,15 @@ def model_flops(cfg: ModelConfig, B: int, T: int) -> float:
     return 6.0 * matmul_params * B * T + 6.0 * cfg.num_layers * N * H * T * T * B
 
 
-def make_batch(cfg: ModelConfig, B: int, T: int, seed: int = 0) -> TrajectoryBatch:
+def make_batch(cfg: ModelConfig, B: int, T: int, seed: int = 0, equal_groups: float = 0.0) -> TrajectoryBatch:
+    """Random tokens and rewards in groups of 4; the first ``equal_groups`` share of the groups all-equal."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, size=(B, T)).astype(np.int32)
     loss_mask = np.zeros((B, T), np.float32)
     loss_mask[:, T // 4 :] = 1.0  # the last three quarters are "sampled"
     behav = np.where(loss_mask > 0, -rng.uniform(2, 6, size=(B, T)), 0.0).astype(np.float32)
     rewards = rng.uniform(size=B).astype(np.float32)
+    rewards[: 4 * round(equal_groups * B / 4)] = 0.5
     return TrajectoryBatch(tokens, np.ones((B, T), np.int32), loss_mask, behav, rewards, group_size=4)
 
 
@@ -118,7 +125,7 @@ def setting_config(name: str, setting: str) -> ModelConfig:
     return model_config(name, scan_unroll=0, attention_chunk=SETTINGS[setting]["attention_chunk"])
 
 
-def project_side(cfg: ModelConfig, batch: TrajectoryBatch, setting: str = "default"):
+def project_side(cfg: ModelConfig, batch: TrajectoryBatch, setting: str = "default", skip: bool = True):
     B, T = batch.tokens.shape
     rows = SETTINGS[setting]["rows_per_micro_batch"] or B
     update_cfg = UpdateConfig(
@@ -131,6 +138,7 @@ def project_side(cfg: ModelConfig, batch: TrajectoryBatch, setting: str = "defau
         micro_batches=B // rows,
         logprob_chunk=SETTINGS[setting]["logprob_chunk"] or B * T,
         length_bucket=T,
+        skip_zero_advantage=skip,
     )
     tx = make_optimizer(LR, 100, grad_clip=1.0)
     updater = Updater(cfg, update_cfg, tx)
@@ -282,6 +290,23 @@ def against_baseline(args) -> None:
         )
 
 
+def skipping(args) -> None:
+    """``--equal_groups``: the update with and without ``skip_zero_advantage``, alternated."""
+    for name in args.configs.split(","):
+        B, T = BATCH[name]
+        cfg = setting_config(name, "default")
+        batch = make_batch(cfg, B, T, equal_groups=args.equal_groups)
+        equal = int(np.sum(batch.reward == 0.5)) // 4
+        sides = {f"skip {'on' if skip else 'off'}": project_side(cfg, batch, skip=skip)[1] for skip in (True, False)}
+        seconds, _ = alternate(sides, args.repeats)
+        print(
+            f"{name} (B{B} x T{T}, {equal} of {B // 4} groups all-equal), medians of {args.repeats} alternated "
+            f"updates: skip_zero_advantage on {seconds['skip on'] * 1e3:.0f} ms, off {seconds['skip off'] * 1e3:.0f} "
+            f"ms: {ratio(seconds['skip on'], seconds['skip off'])} faster",
+            flush=True,
+        )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,30m")
@@ -293,6 +318,12 @@ def main(argv=None):
     )
     p.add_argument("--baseline", default="", help="a git revision: time the project's update here and there instead")
     p.add_argument("--rounds", type=int, default=4, help="alternated child processes per side (--baseline)")
+    p.add_argument(
+        "--equal_groups",
+        type=float,
+        default=None,
+        help="instead: the update with and without rl.skip_zero_advantage, this share of the groups all-equal",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -300,6 +331,10 @@ def main(argv=None):
     print(machine_line(peak=False), flush=True)
     if args.baseline:
         return against_baseline(args)
+    if args.equal_groups is not None:
+        if not 0.0 <= args.equal_groups <= 1.0:
+            p.error(f"--equal_groups {args.equal_groups}: a share of the groups, from 0 to 1")
+        return skipping(args)
     torch, transformers = import_torch("the HF side")
     jax_peak, torch_peak = matmul_peak(args.repeats, torch)
     peak = max(jax_peak, torch_peak)

@@ -129,6 +129,9 @@ def get_config():
     # multiple of it up to rollout.max_len (at most 16), so a smaller bucket trades compile time for padding
     # 10 branches (none below the shortest prompt), ~86% real tokens; 64 (7) pads more, 32 (14) less (docs/decisions.md)
     c.rl.length_bucket = 48
+    # with no KL and no entropy term, micro-batches whose rows all have advantage 0 (all-equal groups) add exactly
+    # 0 to the gradient: their forward and backward are skipped (computed_rows_frac); False computes them anyway
+    c.rl.skip_zero_advantage = True
     c.rl.logprob_chunk = 4096  # tokens per log-prob chunk; a micro-batch within it holds its logits (no recompute)
     # dynamic sampling (DAPO): drop groups whose rewards are all equal (no group-relative signal); with
     # filter_max_extra_groups > 0, first generate up to that many extra groups (random training tasks)

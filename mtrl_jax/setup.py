@@ -360,6 +360,7 @@ def update_config(config) -> UpdateConfig:
         micro_batches=rl.micro_batches,
         logprob_chunk=rl.logprob_chunk,
         length_bucket=rl.length_bucket,
+        skip_zero_advantage=rl.skip_zero_advantage,
     )
 
 

@@ -313,3 +313,49 @@ def test_a_row_without_gradient_stays_in_the_baseline_but_its_tokens_do_not_coun
     )  # its tokens: no effect
     assert not np.allclose(adv_a[:3], adv_c[:3])  # its reward: in the baseline
     assert max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c))) > 1e-6
+
+
+@pytest.mark.parametrize("loss", sorted(__import__("mtrl_jax.rl.losses", fromlist=["x"]).names()))
+def test_every_built_in_loss_has_no_gradient_at_advantage_zero(loss):
+    """What ``skip_zero_advantage`` rests on: a row with advantage 0 adds exactly 0 to the gradient."""
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(-rng.uniform(0.5, 3, size=(3, 7)), jnp.float32)
+    old = jnp.asarray(-rng.uniform(0.5, 3, size=(3, 7)), jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, size=(3, 7)), jnp.float32).at[:, 0].set(1.0)
+    g = jax.grad(lambda lp: objective(ObjectiveConfig(loss=loss), lp, old, jnp.zeros(3), mask, behav_logp=old)[0])(logp)
+    np.testing.assert_array_equal(np.asarray(g), 0.0)
+
+
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
+def test_micro_batches_of_all_equal_groups_are_skipped_and_change_nothing():
+    """Two all-equal groups of four (advantage 0): with no KL and no entropy term their micro-batches add 0
+    to the gradient, so skipping them (``skip_zero_advantage``) gives the update that computes them, while
+    only the rows with a signal are computed; with a KL term nothing is skipped."""
+    rewards = [1.0, 0.0, 0.4, 0.4, 0.3, 0.3, 0.3, 0.3, 0.9, 0.1, 0.6, 0.2, 0.5, 0.5, 0.5, 0.5]
+    batch = _batch(rewards).replace(group_size=4)
+    params = init_params(CFG, jax.random.PRNGKey(1))
+
+    def update(skip, kl=0.0):
+        cfg = UpdateConfig(
+            objective=ObjectiveConfig(loss="ppo", kl_coef=kl),
+            update_epochs=2,
+            micro_batches=4,
+            logprob_chunk=7,
+            length_bucket=4,
+            skip_zero_advantage=skip,
+        )
+        updater = Updater(CFG, cfg, optax.adam(1e-2))
+        new, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(9)), batch, params if kl else None)
+        return new.params, {k: float(v) for k, v in metrics.items() if k != "advantages"}
+
+    skipped, m_skip = update(True)
+    full, m_full = update(False)
+    assert m_skip["computed_rows_frac"] == 0.5 and m_full["computed_rows_frac"] == 1.0  # 8 of 16 rows have a signal
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), skipped, full)
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), skipped, params)
+    assert max(jax.tree.leaves(moved)) > 1e-3
+    for name in ("loss", "pg_loss", "grad_norm"):
+        np.testing.assert_allclose(m_skip[name], m_full[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert m_skip["real_token_fraction"] <= 1.0
+    _, m_kl = update(True, kl=0.1)  # a KL term has a gradient on every row
+    assert m_kl["computed_rows_frac"] == 1.0

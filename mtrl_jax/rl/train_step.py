@@ -61,6 +61,11 @@ class UpdateConfig:
     # branch is compiled for the lengths below it, which no micro-batch then takes (a shorter row is still
     # right, computed at the shortest length compiled)
     min_length: int = 0
+    # a micro-batch whose rows all have advantage 0 (every row of an all-equal group) adds exactly 0 to the
+    # gradient when the objective has no KL and no entropy term: skip its forward and backward (the
+    # optimizer step still runs). Exact for every built-in loss (a zero advantage gives a zero loss and
+    # gradient); a registered loss with a term that does not scale with the advantage must turn it off.
+    skip_zero_advantage: bool = True
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -165,10 +170,14 @@ def switch_on_length(buckets: tuple[int, ...], attention_mask: jax.Array, fn, *a
     return jax.lax.switch(index, [functools.partial(fn, length) for length in buckets], *args)
 
 
-def by_length(attention_mask: jax.Array, rows: jax.Array, group: int) -> jax.Array:
+def by_length(attention_mask: jax.Array, rows: jax.Array, group: int, first: Optional[jax.Array] = None) -> jax.Array:
     """``rows`` sorted by length, longest first, as ``[len(rows) // group, group]`` groups: the
-    micro-batches of a mini-batch (the order within a mini-batch does not change its gradient)."""
+    micro-batches of a mini-batch (the order within a mini-batch does not change its gradient). With
+    ``first [B]`` (booleans over the batch's rows), its rows come before the others (each part longest
+    first), so the other rows fill micro-batches of their own."""
     lengths = attention_mask[rows].astype(jnp.int32).sum(axis=1)
+    if first is not None:
+        lengths = lengths + first[rows].astype(jnp.int32) * (attention_mask.shape[1] + 1)
     return rows[jnp.argsort(-lengths, stable=True)].reshape(-1, group)
 
 
@@ -290,6 +299,9 @@ def update_step(
                 first_epoch,
             )
         )
+    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
+    skip = cfg.skip_zero_advantage and not obj.kl_coef and not obj.entropy_coef
+    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if skip else None
     old_logp = data["old_logp"]  # the behaviour log-probs where the training forward gives the old ones (one_step)
 
     # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
@@ -340,26 +352,49 @@ def update_step(
         def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
             cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
             (_, metrics), g = grad_fn(params, cut, norms, first)
-            return g, {**metrics, "computed_tokens": jnp.float32(rows_per_micro * length)}
+            return g, {
+                **metrics,
+                "computed": jnp.float32(1.0),
+                "computed_tokens": jnp.float32(rows_per_micro * length),
+                "computed_real_tokens": cut["attention_mask"].sum().astype(jnp.float32),
+                "computed_loss_tokens": cut["loss_mask"].sum(),
+            }
+
+        def gradient(micro_batch):
+            return switch_on_length(buckets, micro_batch["attention_mask"], micro_grads, micro_batch)
 
         def accumulate(grads, micro_rows):
             # the gathered rows come out of the gather unsharded: split them over the batch axes
             micro_batch = jax.tree.map(lambda x: constrain_rows(x[micro_rows]), data)
-            g, metrics = switch_on_length(buckets, micro_batch["attention_mask"], micro_grads, micro_batch)
+            if skip:  # every row with advantage 0: the gradient is exactly 0, and nothing is computed
+                shapes = jax.eval_shape(gradient, micro_batch)
+                zeros = lambda _: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
+                g, metrics = jax.lax.cond(signal[micro_rows].any(), gradient, zeros, micro_batch)
+            else:
+                g, metrics = gradient(micro_batch)
             return jax.tree.map(jnp.add, grads, g), metrics
 
-        # micro-batches of rows of similar length (longest first), each computed at its own length
-        micro_rows = by_length(batch.attention_mask, rows, rows_per_micro)
+        # micro-batches of rows of similar length (longest first), each computed at its own length; the rows
+        # that can have a gradient first, so the others make micro-batches that are skipped
+        micro_rows = by_length(batch.attention_mask, rows, rows_per_micro, signal)
         grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
-        computed = micro_metrics.pop("computed_tokens").sum()
-        metrics = {k: _mean_or_max(k, v) for k, v in micro_metrics.items()}
-        metrics["real_token_fraction"] = (
-            batch.attention_mask[rows].sum() / computed
-        )  # of the tokens the micro-batches computed
+        ran = micro_metrics.pop("computed")
+        n_ran = jnp.maximum(ran.sum(), 1.0)
+        computed = {k: micro_metrics.pop(f"computed_{k}").sum() for k in ("tokens", "real_tokens", "loss_tokens")}
+        # means over the micro-batches computed (a skipped one has no ratios or clipping to report)
+        metrics = {
+            k: v.max() if k.endswith(("_max", "_max_dev", "_max_abs_dev")) else (v * ran).sum() / n_ran
+            for k, v in micro_metrics.items()
+        }
+        metrics["real_token_fraction"] = computed["real_tokens"] / jnp.maximum(computed["tokens"], 1.0)
+        metrics["computed_rows_frac"] = ran.sum() / micro_rows.shape[0]
         # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
+        # (the loss and pg_loss of a skipped micro-batch are exactly 0; the entropy is of the tokens computed)
         for key in ("loss", "pg_loss", "kl", "entropy"):
             if key in metrics:
                 metrics[key] = micro_metrics[key].sum()
+        if skip and "entropy" in metrics:
+            metrics["entropy"] = metrics["entropy"] * mask.sum() / jnp.maximum(computed["loss_tokens"], 1.0)
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
