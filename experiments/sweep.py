@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Sequence
 
+WALL_EVERY_S = 30.0  # how often a running seed's wall_seconds.txt is brought up to date
+
 
 def run_seeds(
     config: str,
@@ -26,7 +28,8 @@ def run_seeds(
 ) -> dict:
     """Run ``python -m experiments.run --config=CONFIG`` for each seed in ``<out>/seed_<s>`` (``per_seed``
     flags formatted with the seed, then ``overrides``); returns ``{seed: summary.json}``. Each run's
-    wall seconds go to ``<workdir>/wall_seconds.txt``."""
+    wall seconds go to ``<workdir>/wall_seconds.txt``, brought up to date every ``WALL_EVERY_S`` while it
+    runs: a run stopped and resumed (its checkpoints) adds its invocations' seconds up, to within that."""
     out = pathlib.Path(out)
     for seed in seeds:
         workdir = out / f"seed_{seed}"
@@ -44,10 +47,28 @@ def run_seeds(
             *overrides,
         ]
         print(f"{label}[seed {seed}] " + " ".join(cmd[2:]), flush=True)
-        start = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=cwd)
-        (workdir / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+        timed_run(cmd, workdir / "wall_seconds.txt", cwd)
     return seed_summaries(out, seeds)
+
+
+def timed_run(cmd: Sequence[str], wall: pathlib.Path, cwd=None, every_s: float = WALL_EVERY_S) -> None:
+    """Run ``cmd``; ``wall`` holds the seconds it has taken, written every ``every_s`` while it runs and
+    at its end, added to what ``wall`` held (an earlier invocation of a run that was stopped and resumed).
+    A non-zero exit raises ``CalledProcessError``, its seconds recorded."""
+    before = float(wall.read_text()) if wall.exists() else 0.0
+    start = time.perf_counter()
+    with subprocess.Popen(list(cmd), cwd=cwd) as run:
+        while True:
+            try:
+                run.wait(timeout=every_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                wall.parent.mkdir(parents=True, exist_ok=True)
+                wall.write_text(f"{before + time.perf_counter() - start:.1f}\n")
+    if run.returncode:
+        raise subprocess.CalledProcessError(run.returncode, list(cmd))
 
 
 def seed_summaries(out: pathlib.Path, seeds: Sequence[int]) -> dict:
