@@ -7,7 +7,8 @@ model, lowered and compiled for ``N`` devices (fake CPU devices here), nothing a
 
 Parameters are abstract (``jax.ShapeDtypeStruct`` with the sharding table's shardings) built from
 the model's HF ``config.json`` kept in ``configs/models/``. The update is the trainer's own jitted
-``update_step`` (Adam, PPO loss, one mini-batch of ``--batch`` rows split into ``--micro_batches``);
+``update_step`` (Adam, PPO loss, one mini-batch of ``--batch`` rows split into ``--micro_batches``, each
+at the full ``--seq``);
 the decode step is the sampler's own ``decode`` for ``--slots`` rows with a ``--max_len`` KV cache,
 one token per row. Printed per device, from the compiled programs' ``memory_analysis()`` and
 ``cost_analysis()``: bytes of arguments, outputs, temporaries and their peak (arguments + outputs -
@@ -202,6 +203,9 @@ def compile_update(cfg, mesh, args, flop_count: bool = False):
         objective=ObjectiveConfig(loss="ppo", kl_coef=0.001 if args.kl else 0.0),
         micro_batches=1 if flop_count else args.micro_batches,
         logprob_chunk=B * T if flop_count else 512,
+        # one length branch, the full --seq: the plan is for micro-batches of the longest rows (the shorter
+        # branches of the trainer's lax.switch need less, and each would be compiled again for nothing)
+        length_bucket=T,
     )
     return Updater(cfg, config, tx, mesh, frozen).lower(state, batch, params if args.kl else None).compile()
 
