@@ -266,6 +266,9 @@ def update_step(
     adv = advantages_lib.compute(
         cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
     )
+    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
+    skip = cfg.skip_zero_advantage and not obj.kl_coef and not obj.entropy_coef
+    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if skip else None
     scored = []  # parameter sets whose log-probs the update needs before its first step
     one_step = cfg.update_epochs * cfg.mini_batches == 1  # the old policy is the one the only step starts from
     if cfg.old_logp == "recompute" and not one_step:
@@ -286,7 +289,7 @@ def update_step(
     }
     if scored:  # in the first epoch's micro-batches (see score)
         first_epoch = jnp.concatenate(
-            [by_length(batch.attention_mask, rows, rows_per_micro) for rows in order[: cfg.mini_batches]]
+            [by_length(batch.attention_mask, rows, rows_per_micro, signal) for rows in order[: cfg.mini_batches]]
         )
         data.update(
             score(
@@ -299,9 +302,6 @@ def update_step(
                 first_epoch,
             )
         )
-    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
-    skip = cfg.skip_zero_advantage and not obj.kl_coef and not obj.entropy_coef
-    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if skip else None
     old_logp = data["old_logp"]  # the behaviour log-probs where the training forward gives the old ones (one_step)
 
     # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
