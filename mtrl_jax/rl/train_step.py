@@ -187,8 +187,11 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _mean_or_max(name: str, values: jax.Array) -> jax.Array:
-    return values.max() if name.endswith(("_max", "_max_dev", "_max_abs_dev")) else values.mean()
+def _mean_or_max(name: str, values: jax.Array, weights: Optional[jax.Array] = None) -> jax.Array:
+    """A ``*_max`` metric's max, any other's mean (weighted by ``weights``, e.g. 0 for a skipped micro-batch)."""
+    if name.endswith(("_max", "_max_dev", "_max_abs_dev")):
+        return values.max()
+    return values.mean() if weights is None else (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
 def score(
@@ -379,13 +382,9 @@ def update_step(
         micro_rows = by_length(batch.attention_mask, rows, rows_per_micro, signal)
         grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
         ran = micro_metrics.pop("computed")
-        n_ran = jnp.maximum(ran.sum(), 1.0)
         computed = {k: micro_metrics.pop(f"computed_{k}").sum() for k in ("tokens", "real_tokens", "loss_tokens")}
         # means over the micro-batches computed (a skipped one has no ratios or clipping to report)
-        metrics = {
-            k: v.max() if k.endswith(("_max", "_max_dev", "_max_abs_dev")) else (v * ran).sum() / n_ran
-            for k, v in micro_metrics.items()
-        }
+        metrics = {k: _mean_or_max(k, v, ran) for k, v in micro_metrics.items()}
         metrics["real_token_fraction"] = computed["real_tokens"] / jnp.maximum(computed["tokens"], 1.0)
         metrics["computed_rows_frac"] = ran.sum() / micro_rows.shape[0]
         # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
