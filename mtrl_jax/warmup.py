@@ -622,7 +622,9 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
 
     ``samples_per_task`` demonstrations are drawn per task (each with its own draws of the teacher). With
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
-    (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration). A
+    (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration); with
+    ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the first
+    drawn), so that the teacher's choices lean toward those that pay on each collection. A
     demonstration that does not end well (its results overflow the context), or has a turn longer than
     ``rollout.max_tokens_per_turn`` (which the sampler would cut), is dropped and counted; an answer of ids
     is cut to the ids that fit that limit (DBpedia's long ids: ten of them do not fit 96 tokens)."""
@@ -638,7 +640,7 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
         policy.fits = fits
         return policy
 
-    demos, drawn, rejected, failed, too_long = [], 0, 0, 0, 0
+    demos, drawn, rejected, not_best, failed, too_long = [], 0, 0, 0, 0, 0
 
     def usable(run, judged: bool) -> bool:
         nonlocal failed, too_long, rejected
@@ -654,11 +656,13 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
 
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            for _ in range(cfg.samples_per_task):
-                run = demonstration_run(driver, variant, teacher())
-                drawn += 1
-                if usable(run, bool(variant.qrels)):
-                    demos.append((run.trajectory.tokens, run.trajectory.loss_mask))
+            runs = [demonstration_run(driver, variant, teacher()) for _ in range(cfg.samples_per_task)]
+            drawn += len(runs)
+            kept = [run for run in runs if usable(run, bool(variant.qrels))]
+            if cfg.keep_best and variant.qrels and kept:  # best of n: the first drawn of the highest reward
+                not_best += len(kept) - 1
+                kept = [max(kept, key=lambda run: run.episode.reward)]
+            demos.extend((run.trajectory.tokens, run.trajectory.loss_mask) for run in kept)
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):
                 run = demonstration_run(driver, variant, teacher(hop=1.0))
@@ -666,16 +670,15 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
                 mask = run.trajectory.loss_mask
                 if usable(run, False) and assistant_turns(mask) > 2:
                     demos.append((run.trajectory.tokens, decision_untrained(mask)))
-    if log and (rejected or failed or too_long):
-        log(
-            f"demonstrations: {drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, "
-            f"{failed} past the context, {too_long} with a turn over rollout.max_tokens_per_turn={budget}"
-        )
+    counts = (
+        f"{drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, {not_best} not the best of their "
+        f"task's warmup.samples_per_task={cfg.samples_per_task}, {failed} past the context, {too_long} with a turn "
+        f"over rollout.max_tokens_per_turn={budget}"
+    )
+    if log and (rejected or not_best or failed or too_long):
+        log(f"demonstrations: {counts}")
     if not demos:
-        raise ValueError(
-            f"no demonstration left for the warm-up ({drawn} drawn, {rejected} rejected, {failed} past the context, "
-            f"{too_long} with a turn over rollout.max_tokens_per_turn={budget})"
-        )
+        raise ValueError(f"no demonstration left for the warm-up ({counts})")
     return demos
 
 

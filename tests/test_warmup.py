@@ -507,6 +507,59 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
     assert 0.45 < shares["default"] < 0.85, shares  # at most (0.5 + 2) / 3: some show no identifier
 
 
+def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_path, monkeypatch):
+    """``warmup.samples_per_task`` draws per training task; ``keep_best`` keeps the first of the highest
+    reward among the usable ones, ``min_reward`` every usable one at least that good (judged on the
+    training task's own relevance judgments)."""
+    from configs import default
+    from mtrl_jax import warmup
+    from mtrl_jax.setup import build
+
+    drawn = []
+    real_run = warmup.demonstration_run
+
+    def recording(driver, task, policy):
+        drawn.append(real_run(driver, task, policy))
+        return drawn[-1]
+
+    monkeypatch.setattr(warmup, "demonstration_run", recording)
+    config = default.get_config()
+    with config.unlocked():
+        config.warmup.update(augment=0, hop_drills=0, samples_per_task=4, teacher_top_k="1:1,5:1")
+    components = build(config, tmp_path)
+    components = dataclasses.replace(components, train_tasks=components.train_tasks[:40])
+    budget = components.collector.max_tokens_per_turn
+
+    def usable(run):
+        return run.episode.status == "ok" and warmup.longest_turn(run.trajectory.loss_mask) <= budget
+
+    def select(**settings):
+        drawn.clear()
+        demos = warmup.demonstrations(
+            dataclasses.replace(components, warmup=dataclasses.replace(components.warmup, **settings))
+        )
+        assert len(drawn) == 4 * len(components.train_tasks)
+        return [tokens for tokens, _ in demos], [drawn[i : i + 4] for i in range(0, len(drawn), 4)]
+
+    kept, groups = select(keep_best=True)
+    expected = []
+    for runs in groups:
+        runs = [run for run in runs if usable(run)]
+        if runs:
+            best = max(run.episode.reward for run in runs)
+            expected.append(next(run for run in runs if run.episode.reward == best).trajectory.tokens)
+    rewards = [[run.episode.reward for run in runs] for runs in groups]
+    assert kept == expected and len(kept) == len(groups)
+    assert sum(len(set(r)) > 1 for r in rewards) >= 5, rewards  # the draws differ: the choice is not trivial
+
+    kept, groups = select(min_reward=0.5)
+    expected = [run.trajectory.tokens for runs in groups for run in runs if usable(run) and run.episode.reward >= 0.5]
+    assert kept == expected and 0 < len(kept) < sum(map(len, groups))
+
+    kept, groups = select()  # neither: every usable draw
+    assert kept == [run.trajectory.tokens for runs in groups for run in runs if usable(run)]
+
+
 def test_warmup_schedule_fields_are_checked():
     from configs import default
     from mtrl_jax.setup import warmup_settings
