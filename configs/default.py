@@ -63,6 +63,8 @@ def get_config():
     c.data.validation_fraction = 0.05
     c.data.validation_min = 0  # at least this many held-out tasks per dataset (all but one of a smaller one)
     c.data.max_eval_tasks = 0  # 0: all validation tasks
+    # the first this many of each collection's validation tasks are evaluated (0: all); the split is unchanged
+    c.data.max_eval_per_collection = 0
 
     c.search = config_dict.ConfigDict()
     c.search.tools = "bm25_search,vector_search"

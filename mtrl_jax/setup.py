@@ -140,7 +140,7 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
     for name, c in collections.items():
         t, v = split(c.tasks, config.data.validation_fraction, minimum=config.data.validation_min)
         train[name] = t
-        val += v
+        val += v[: config.data.max_eval_per_collection or None]
     weights = csv(config.data.weights)
     if weights:
         if len(weights) != len(collections):

@@ -198,3 +198,23 @@ def test_ablation_runner_resumes_and_reports(tmp_path):
     assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
     again = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("done already") == 2
+
+
+def test_a_per_collection_evaluation_cap_keeps_the_split(shared_data):
+    """``data.max_eval_per_collection`` evaluates the first N held-out queries of each collection; the
+    training tasks, and which queries are held out, do not change."""
+    from configs import default
+    from mtrl_jax.setup import build_data
+
+    config = default.get_config()
+    config.data.synthetic = False
+    config.data.folders = f"{shared_data / 'cranfield'},{shared_data / 'scifact'}"
+    config.data.weights = "1,1"
+    config.data.validation_min = 25
+    _, train, val = build_data(config)
+    config.data.max_eval_per_collection = 10
+    _, train_capped, val_capped = build_data(config)
+    assert [t.task_id for t in train_capped] == [t.task_id for t in train]
+    by_collection = {name: [t.task_id for t in val if t.corpus == name] for name in ("cranfield", "scifact")}
+    assert all(len(ids) >= 25 for ids in by_collection.values())
+    assert [t.task_id for t in val_capped] == by_collection["cranfield"][:10] + by_collection["scifact"][:10]
