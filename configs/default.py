@@ -187,7 +187,8 @@ def get_config():
     # training task's own judgments) is at least min_reward (-1: keep all)
     c.warmup.samples_per_task = 1
     c.warmup.min_reward = -1.0
-    # best of samples_per_task: of a judged task's draws, keep only the one with the highest reward (ties: the first)
+    # best of samples_per_task: of a judged task's draws, keep only the one with the highest reward (ties: the one
+    # of fewest tokens, then the first drawn)
     c.warmup.keep_best = False
     # the output projection at the trained columns only: the same loss to float rounding, less work where tool
     # results are most of a demonstration (real models); off on the default, whose learning depends on rounding

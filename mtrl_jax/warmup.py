@@ -623,8 +623,10 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     ``samples_per_task`` demonstrations are drawn per task (each with its own draws of the teacher). With
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
     (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration); with
-    ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the first
-    drawn), so that the teacher's choices lean toward those that pay on each collection. A
+    ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the one of
+    fewest tokens, then the first drawn), so that the teacher's choices lean toward those that pay on each
+    collection, and toward the shorter way to the same reward (an empty answer ranked by
+    ``env.answer_fallback`` rather than the same ids listed: a small model's greedy id lists run on). A
     demonstration that does not end well (its results overflow the context), or has a turn longer than
     ``rollout.max_tokens_per_turn`` (which the sampler would cut), is dropped and counted; an answer of ids
     is cut to the ids that fit that limit (DBpedia's long ids: ten of them do not fit 96 tokens)."""
@@ -659,9 +661,9 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
             runs = [demonstration_run(driver, variant, teacher()) for _ in range(cfg.samples_per_task)]
             drawn += len(runs)
             kept = [run for run in runs if usable(run, bool(variant.qrels))]
-            if cfg.keep_best and variant.qrels and kept:  # best of n: the first drawn of the highest reward
+            if cfg.keep_best and variant.qrels and kept:  # best of n: the highest reward, then the fewest tokens
                 not_best += len(kept) - 1
-                kept = [max(kept, key=lambda run: run.episode.reward)]
+                kept = [max(kept, key=lambda run: (run.episode.reward, -len(run.trajectory.tokens)))]
             demos.extend((run.trajectory.tokens, run.trajectory.loss_mask) for run in kept)
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):

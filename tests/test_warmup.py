@@ -508,9 +508,9 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
 
 
 def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_path, monkeypatch):
-    """``warmup.samples_per_task`` draws per training task; ``keep_best`` keeps the first of the highest
-    reward among the usable ones, ``min_reward`` every usable one at least that good (judged on the
-    training task's own relevance judgments)."""
+    """``warmup.samples_per_task`` draws per training task; ``keep_best`` keeps, among the usable ones, the
+    highest reward, of equals the fewest tokens, then the first drawn; ``min_reward`` every usable one at
+    least that good (judged on the training task's own relevance judgments)."""
     from configs import default
     from mtrl_jax import warmup
     from mtrl_jax.setup import build
@@ -547,10 +547,19 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
         runs = [run for run in runs if usable(run)]
         if runs:
             best = max(run.episode.reward for run in runs)
-            expected.append(next(run for run in runs if run.episode.reward == best).trajectory.tokens)
+            shortest = min(len(run.trajectory.tokens) for run in runs if run.episode.reward == best)
+            expected.append(
+                next(
+                    run.trajectory.tokens
+                    for run in runs
+                    if run.episode.reward == best and len(run.trajectory.tokens) == shortest
+                )
+            )
     rewards = [[run.episode.reward for run in runs] for runs in groups]
     assert kept == expected and len(kept) == len(groups)
     assert sum(len(set(r)) > 1 for r in rewards) >= 5, rewards  # the draws differ: the choice is not trivial
+    tied = [runs for runs in groups if len({run.episode.reward for run in runs}) < len(runs)]
+    assert any(len({len(run.trajectory.tokens) for run in runs}) > 1 for runs in tied)  # and so is the tie-break
 
     kept, groups = select(min_reward=0.5)
     expected = [run.trajectory.tokens for runs in groups for run in runs if usable(run) and run.episode.reward >= 0.5]
