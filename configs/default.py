@@ -188,7 +188,7 @@ def get_config():
     c.warmup.samples_per_task = 1
     c.warmup.min_reward = -1.0
     # best of samples_per_task: of a judged task's draws, keep only the one with the highest reward (ties: the one
-    # of fewest tokens, then the first drawn)
+    # whose answer has fewest tokens, then the first drawn)
     c.warmup.keep_best = False
     # the output projection at the trained columns only: the same loss to float rounding, less work where tool
     # results are most of a demonstration (real models); off on the default, whose learning depends on rounding

@@ -94,7 +94,7 @@ class WarmupSettings:
     answer_probs: tuple[float, ...] = (1.0,)
     samples_per_task: int = 1  # demonstrations drawn per training task (warmup.samples_per_task)
     min_reward: Optional[float] = None  # rejection sampling: keep demonstrations at least this good (warmup.min_reward)
-    keep_best: bool = False  # keep only the best of a judged task's draws, the shortest of equals (warmup.keep_best)
+    keep_best: bool = False  # only the best of a judged task's draws, of equals the shortest answer (warmup.keep_best)
     loss_columns_only: bool = False  # the output projection at the trained columns only (warmup.loss_columns_only)
     micro_batches: int = 1  # a step's rows in this many slices, gradients accumulated (warmup.micro_batches)
     train_base: bool = False  # the warm-up trains the base weights, RL fresh adapters over them (warmup.train_base)

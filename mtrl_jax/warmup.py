@@ -366,6 +366,16 @@ def longest_turn(mask: Sequence[int]) -> int:
     return longest
 
 
+def last_turn(mask: Sequence[int]) -> int:
+    """The tokens of the last assistant turn (the answer of a finished demonstration, its end token included)."""
+    mask = list(mask)
+    end = len(mask) - mask[::-1].index(1) if 1 in mask else 0
+    start = end
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return end - start
+
+
 def assistant_turns(mask: Sequence[int]) -> int:
     return sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
 
@@ -623,10 +633,11 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     ``samples_per_task`` demonstrations are drawn per task (each with its own draws of the teacher). With
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
     (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration); with
-    ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the one of
-    fewest tokens, then the first drawn), so that the teacher's choices lean toward those that pay on each
-    collection, and toward the shorter way to the same reward (an empty answer ranked by
-    ``env.answer_fallback`` rather than the same ids listed: a small model's greedy id lists run on). A
+    ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the one
+    whose answer has fewest tokens, then the first drawn), so that the teacher's choices lean toward those
+    that pay on each collection, and, for the same reward, toward the empty answer ranked by
+    ``env.answer_fallback`` over ids listed (a small model's greedy id lists run on past the turn's
+    limit). Only the answer is compared: counting every token would prefer fewer results asked for. A
     demonstration that does not end well (its results overflow the context), or has a turn longer than
     ``rollout.max_tokens_per_turn`` (which the sampler would cut), is dropped and counted; an answer of ids
     is cut to the ids that fit that limit (DBpedia's long ids: ten of them do not fit 96 tokens)."""
@@ -661,9 +672,9 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
             runs = [demonstration_run(driver, variant, teacher()) for _ in range(cfg.samples_per_task)]
             drawn += len(runs)
             kept = [run for run in runs if usable(run, bool(variant.qrels))]
-            if cfg.keep_best and variant.qrels and kept:  # best of n: the highest reward, then the fewest tokens
+            if cfg.keep_best and variant.qrels and kept:  # best of n: the highest reward, then the shortest answer
                 not_best += len(kept) - 1
-                kept = [max(kept, key=lambda run: (run.episode.reward, -len(run.trajectory.tokens)))]
+                kept = [max(kept, key=lambda run: (run.episode.reward, -last_turn(run.trajectory.loss_mask)))]
             demos.extend((run.trajectory.tokens, run.trajectory.loss_mask) for run in kept)
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):

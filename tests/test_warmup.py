@@ -509,7 +509,7 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
 
 def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_path, monkeypatch):
     """``warmup.samples_per_task`` draws per training task; ``keep_best`` keeps, among the usable ones, the
-    highest reward, of equals the fewest tokens, then the first drawn; ``min_reward`` every usable one at
+    highest reward, of equals the shortest answer, then the first drawn; ``min_reward`` every usable one at
     least that good (judged on the training task's own relevance judgments)."""
     from configs import default
     from mtrl_jax import warmup
@@ -525,7 +525,9 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
     monkeypatch.setattr(warmup, "demonstration_run", recording)
     config = default.get_config()
     with config.unlocked():
-        config.warmup.update(augment=0, hop_drills=0, samples_per_task=4, teacher_top_k="1:1,5:1")
+        config.warmup.update(
+            augment=0, hop_drills=0, samples_per_task=4, teacher_top_k="1:1,5:1", teacher_answers="empty:1,ids:1"
+        )
     components = build(config, tmp_path)
     components = dataclasses.replace(components, train_tasks=components.train_tasks[:40])
     budget = components.collector.max_tokens_per_turn
@@ -547,19 +549,21 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
         runs = [run for run in runs if usable(run)]
         if runs:
             best = max(run.episode.reward for run in runs)
-            shortest = min(len(run.trajectory.tokens) for run in runs if run.episode.reward == best)
+            shortest = min(warmup.last_turn(run.trajectory.loss_mask) for run in runs if run.episode.reward == best)
             expected.append(
                 next(
                     run.trajectory.tokens
                     for run in runs
-                    if run.episode.reward == best and len(run.trajectory.tokens) == shortest
+                    if run.episode.reward == best and warmup.last_turn(run.trajectory.loss_mask) == shortest
                 )
             )
     rewards = [[run.episode.reward for run in runs] for runs in groups]
     assert kept == expected and len(kept) == len(groups)
     assert sum(len(set(r)) > 1 for r in rewards) >= 5, rewards  # the draws differ: the choice is not trivial
     tied = [runs for runs in groups if len({run.episode.reward for run in runs}) < len(runs)]
-    assert any(len({len(run.trajectory.tokens) for run in runs}) > 1 for runs in tied)  # and so is the tie-break
+    assert any(len({warmup.last_turn(run.trajectory.loss_mask) for run in runs}) > 1 for runs in tied)
+    assert warmup.last_turn([0, 1, 1, 0, 0, 1, 1, 1, 0]) == 3 and warmup.last_turn([0, 1]) == 1
+    assert warmup.last_turn([0, 0]) == 0
 
     kept, groups = select(min_reward=0.5)
     expected = [run.trajectory.tokens for runs in groups for run in runs if usable(run) and run.episode.reward >= 0.5]
