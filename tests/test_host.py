@@ -136,6 +136,7 @@ def _faults(hugetlb):
     return int(pages), float(median)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not huge_pages_possible(), reason="needs glibc 2.35+ and transparent huge pages")
 def test_with_the_tunable_a_large_temporary_buffer_faults_in_by_huge_pages():
     """A jitted program whose temporaries exceed a thread arena's 64 MiB heap: XLA's thread maps them

@@ -118,6 +118,7 @@ def test_a_shared_prefix_computed_once_gives_the_log_probs_and_gradients_of_whol
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-4), g1, g2)
 
 
+@pytest.mark.slow
 def test_logprobs_at_columns_equal_the_whole_sequence_read_there():
     """``logprobs_at`` runs the head at given columns only: the same log-probs, entropies and gradients
     as ``sequence_logprobs`` (or ``shared_prefix_logprobs`` after a shared prefix) read at those columns."""

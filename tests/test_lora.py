@@ -173,6 +173,7 @@ def _batch(B=8, T=16, V=64, seed=0):
     )
 
 
+@pytest.mark.slow
 def test_the_compiled_update_holds_an_optimizer_state_of_adapter_size():
     """From the compiled program's memory analysis: with LoRA the update's arguments are the frozen base, the
     adapters with Adam's two moments, and the batch, not three copies of the model."""

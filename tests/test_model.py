@@ -321,6 +321,7 @@ def test_unstacked_layers_compute_what_stacked_layers_compute():
         jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a, b[i], rtol=1e-4, atol=1e-5), layer, want["layers"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", [None, "xla"])
 def test_a_prefix_computed_once_continues_every_row(impl):
     """``forward(..., prefix=cache)`` (the rows continue ``P`` shared tokens held as a one-row cache)

@@ -588,6 +588,7 @@ def test_warmup_schedule_fields_are_checked():
         warmup_settings(config)
 
 
+@pytest.mark.slow
 def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step():
     """The output projection at the trained columns only, and the rows in micro-batches: the same loss and
     the same parameters after a step, to float rounding, with and without a shared prefix and adapters."""
