@@ -81,7 +81,7 @@ def get_config():
     # rejection sampling on the training queries' judgments: the best of 4 draws per query, if it found anything
     # (reward > 0), of equal rewards the shortest answer; about 500 of 2,240 draws are kept, and the first
     # search's BM25 share rises from 1/2 to 0.64 / 0.43 / 0.83 / 0.68 (SciFact / Cranfield / MuSiQue / DBpedia),
-    # 10 results from 1/3 to 0.34-0.57, the answer of ids listed falls from 1/2 to 0.22-0.36
+    # 10 results from 1/3 to 0.34-0.57, the answer of ids listed falls from 1/2 to 0.22-0.36 (docs/decisions.md)
     c.warmup.samples_per_task = 4
     c.warmup.keep_best = True
     c.warmup.min_reward = 0.01
