@@ -20,6 +20,7 @@ question words, so copying is what generalises.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import functools
 import logging
 import re
@@ -357,23 +358,19 @@ def turn_end(mask: Sequence[int], turns: int) -> int:
     return end
 
 
+def turn_lengths(mask: Sequence[int]) -> list[int]:
+    """The tokens of each assistant turn, in order (the runs of loss-mask ones, each end token included)."""
+    return [sum(1 for _ in run) for trained, run in itertools.groupby(mask) if trained]
+
+
 def longest_turn(mask: Sequence[int]) -> int:
-    """The tokens of the longest assistant turn (a run of loss-mask ones, its end token included)."""
-    longest = run = 0
-    for m in mask:
-        run = run + 1 if m else 0
-        longest = max(longest, run)
-    return longest
+    """The tokens of the longest assistant turn (0 without one)."""
+    return max(turn_lengths(mask), default=0)
 
 
 def last_turn(mask: Sequence[int]) -> int:
-    """The tokens of the last assistant turn (the answer of a finished demonstration, its end token included)."""
-    mask = list(mask)
-    end = len(mask) - mask[::-1].index(1) if 1 in mask else 0
-    start = end
-    while start > 0 and mask[start - 1] == 1:
-        start -= 1
-    return end - start
+    """The tokens of the last assistant turn (the answer of a finished demonstration; 0 without one)."""
+    return (turn_lengths(mask) or [0])[-1]
 
 
 def assistant_turns(mask: Sequence[int]) -> int:
