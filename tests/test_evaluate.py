@@ -218,3 +218,30 @@ def test_a_per_collection_evaluation_cap_keeps_the_split(shared_data):
     by_collection = {name: [t.task_id for t in val if t.corpus == name] for name in ("cranfield", "scifact")}
     assert all(len(ids) >= 25 for ids in by_collection.values())
     assert [t.task_id for t in val_capped] == by_collection["cranfield"][:10] + by_collection["scifact"][:10]
+
+
+def test_search_headroom_scores_the_agents_moves_as_the_baselines_do(shared_data):
+    """``tools.search_headroom``: its one-search BM25 and dense rows are the bench's baselines on the same
+    held-out queries; every strategy is a ranking of the collection's documents; the best per query
+    bounds every strategy it picks from; training and held-out queries are kept apart."""
+    from configs import default
+    from mtrl_jax.evaluate import single_search_baselines
+    from mtrl_jax.setup import build_data
+    from tools.search_headroom import BEST, headroom, table
+
+    config = default.get_config()
+    config.data.synthetic = False
+    config.data.folders = f"{shared_data / 'cranfield'}"
+    config.data.validation_min = 25
+    results = headroom(config)
+    held_out, train = results["held-out"]["cranfield"], results["train"]["cranfield"]
+    baselines = single_search_baselines(config)["cranfield"]
+    assert held_out["queries"] == baselines["queries"] == 25
+    assert abs(held_out["bm25"] - baselines["bm25"]) < 1e-9 and abs(held_out["dense"] - baselines["dense"]) < 1e-9
+    _, train_tasks, _ = build_data(config)
+    assert train["queries"] == len({t.task_id for t in train_tasks if t.qrels})
+    for m in (held_out, train):
+        picked = [v for s, v in m.items() if s not in ("queries", "dense", BEST)]
+        assert max(picked) <= m[BEST] <= 1.0
+        assert len(set(round(v, 6) for v in picked)) > 1  # the moves do rank differently
+    assert "| held-out | cranfield (25) |" in table(results)
