@@ -198,6 +198,7 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         "--config.optim.learning_rate=1e-4",
         "--config.checkpoint.every_steps=1",
         "--config.search.cache_dir=",
+        "--config.search.encoder=tfidf",  # the recipe's plumbing: MiniLM would embed each corpus (minutes) here
         "--config.log.progress=False",
         "--config.rollout.precompile=False",
     ]
@@ -264,6 +265,7 @@ def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(tmp_path, sha
         "--config.rollout_max_concurrency=4",
         "--config.rl.micro_batches=1",
         "--config.search.cache_dir=",
+        "--config.search.encoder=tfidf",  # the recipe's plumbing: MiniLM would embed each corpus (minutes) here
         "--config.log.progress=False",
         "--config.rollout.precompile=False",
     ]
