@@ -247,6 +247,20 @@ def test_minilm_encoder_missing_names_the_field_and_the_package(monkeypatch):
         search_build.make_encoder("mini")
 
 
+def test_a_pretrained_encoder_is_shared_by_every_collection(tmp_path):
+    """One ``BertEncoder`` per model directory per process (its weights and compiled shapes held once, not once
+    per collection); a TF-IDF encoder is fitted per corpus, so each call makes a new one."""
+    import shutil
+
+    from mtrl_jax.search.build import make_encoder
+
+    first = make_encoder(str(FIXTURES / "bert_tiny"))
+    assert isinstance(first, BertEncoder) and make_encoder(str(FIXTURES / "bert_tiny" / ".." / "bert_tiny")) is first
+    shutil.copytree(FIXTURES / "bert_tiny", tmp_path / "other")
+    assert make_encoder(str(tmp_path / "other")) is not first  # another directory: another encoder
+    assert make_encoder("tfidf", 16) is not make_encoder("tfidf", 16)
+
+
 def test_dense_flat_is_exact_and_embeddings_are_cached(tmp_path, synthetic):
     enc = TfidfSvdEncoder(32)
     dense = DenseRetriever(synthetic, enc, cache_dir=tmp_path)

