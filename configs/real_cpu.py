@@ -39,7 +39,7 @@ def get_config():
     c.data.weights = "1,1,1,1"  # each collection a quarter of the training queries (smaller ones repeat)
     c.data.validation_fraction = 0.1
     c.data.validation_min = 25  # held-out queries per collection (DBpedia-entity's 40 keep 15 for training)
-    # vector search with all-MiniLM-L6-v2 (its corpus embeddings computed once, about 10 minutes on 2 cores, then
+    # vector search with all-MiniLM-L6-v2 (its corpus embeddings computed once, about 12 minutes on 2 cores, then
     # cached): with the TF-IDF encoder dense search was never the better tool (held-out 0.404 / 0.374 / 0.236 /
     # 0.317 against BM25's 0.700 / 0.362 / 0.420 / 0.313), so the agent had nothing to choose between; with
     # MiniLM it is 0.717 / 0.351 / 0.651 / 0.504, and both searches fused 0.779 / 0.394 / 0.600 / 0.448
@@ -84,9 +84,10 @@ def get_config():
     c.warmup.teacher_hop_queries = "title:1,keywords:1"
     c.warmup.teacher_answers = "empty:1,ids:1"
     # rejection sampling on the training queries' judgments: the best of 4 draws per query, if it found anything
-    # (reward > 0), of equal rewards the shortest answer; about 500 of 2,240 draws are kept, and the first
-    # search's BM25 share rises from 1/2 to 0.64 / 0.43 / 0.83 / 0.68 (SciFact / Cranfield / MuSiQue / DBpedia),
-    # 10 results from 1/3 to 0.34-0.57, the answer of ids listed falls from 1/2 to 0.22-0.36 (docs/decisions.md)
+    # (reward > 0), of equal rewards the shortest answer; about 500 of 2,240 draws are kept (520 with MiniLM, seed
+    # 0); with the TF-IDF encoder the first search's BM25 share rose from 1/2 to 0.64 / 0.43 / 0.83 / 0.68
+    # (SciFact / Cranfield / MuSiQue / DBpedia), 10 results from 1/3 to 0.34-0.57, the answer of ids listed fell
+    # from 1/2 to 0.22-0.36 (docs/decisions.md)
     c.warmup.samples_per_task = 4
     c.warmup.keep_best = True
     c.warmup.min_reward = 0.01
