@@ -173,12 +173,14 @@ def get_config():
     # probability of a second search on an identifier copied from the first's results (one drawn at
     # random among those shown), whatever the question: RL learns which questions the hop pays on
     c.warmup.teacher_hop = 0.5
-    c.warmup.teacher_hop_tools = "bm25_search:1"  # TOOL:WEIGHT,... the second search's tool ("": uniform)
+    # TOOL:WEIGHT,... the second search's tool ("": uniform; "other": a tool the first search did not use)
+    c.warmup.teacher_hop_tools = "bm25_search:1"
     # extra demonstrations per question whose teacher always hops, with no loss on the token that decides
     # to hop (the second turn's first): more of the copy to learn, the same learnt probability of hopping
     c.warmup.hop_drills = 2
     # NAME:WEIGHT,... what the second search looks for: "identifier" (a word with a digit shown in the results),
-    # "title" (a result's title: an entity to follow), "keywords" (the question's content words)
+    # "title" (a result's title: an entity to follow), "keywords" (the question's content words), "question" (the
+    # question itself: with teacher_hop_tools="other", both tools' rankings of it, fused by env.answer_fallback)
     c.warmup.teacher_hop_queries = "identifier:1"
     # NAME:WEIGHT,... how the teacher answers: "empty" (the environment's answer_fallback ranks the results) or
     # "ids" (the ids the searches showed, in order)

@@ -80,6 +80,7 @@ class WarmupSettings:
     top_k_probs: tuple[float, ...]
     hop: float  # probability of a second search on an identifier from the first's results (warmup.teacher_hop)
     hop_tool_probs: tuple[float, ...]  # that search's tool choice (warmup.teacher_hop_tools)
+    hop_other: bool = False  # that search uses a tool the first did not (warmup.teacher_hop_tools="other")
     hop_drills: int = (
         0  # extra forced-hop demonstrations per question, the decision to hop untrained (warmup.hop_drills)
     )
@@ -478,6 +479,11 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
             "base weights in that dtype, where a small step rounds away; use model.param_dtype='float32'"
         )
     hop_queries, hop_query_probs = parse_choices(w.teacher_hop_queries, HOP_QUERIES, "warmup.teacher_hop_queries")
+    hop_other = w.teacher_hop_tools.strip() == "other"
+    if hop_other and len(tools) < 2:
+        raise ValueError(
+            f"warmup.teacher_hop_tools='other' needs two tools or more in search.tools, got {config.search.tools!r}"
+        )
     answers, answer_probs = parse_choices(w.teacher_answers, ANSWERS, "warmup.teacher_answers")
     return WarmupSettings(
         steps=w.steps,
@@ -489,7 +495,10 @@ def warmup_settings(config) -> Optional[WarmupSettings]:
         top_ks=tuple(top_ks),
         top_k_probs=tuple(top_k_probs.tolist()),
         hop=w.teacher_hop,
-        hop_tool_probs=tuple(parse_tool_weights(w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()),
+        hop_tool_probs=tuple(
+            parse_tool_weights("" if hop_other else w.teacher_hop_tools, tools, "warmup.teacher_hop_tools").tolist()
+        ),
+        hop_other=hop_other,
         hop_drills=int(w.hop_drills),
         share_prefix=bool(w.share_prefix),
         full_every=int(w.full_every),

@@ -167,7 +167,7 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
 
 _RESULT_LINE = re.compile(r"^\[\d+\] (\S+) \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
 _PUNCTUATION = ".,;:!?'\"()[]|"
-HOP_QUERIES = ("identifier", "title", "keywords")  # warmup.teacher_hop_queries
+HOP_QUERIES = ("identifier", "title", "keywords", "question")  # warmup.teacher_hop_queries
 ANSWERS = ("empty", "ids")  # warmup.teacher_answers
 
 
@@ -247,8 +247,13 @@ class TeacherPolicy:
         shown = "\n".join(m["content"] for m in messages if m["role"] == "tool")
         if self.second is not None and sum(m["role"] == "assistant" for m in messages) == 1:
             question = next(m["content"] for m in messages if m["role"] == "user")
-            candidates = {"identifier": result_identifiers, "title": result_titles}.get(self.hop_query)
-            queries = candidates(shown, question) if candidates else question_keywords(question)
+            if self.hop_query == "question":  # the same question again (with the other tool: both rankings fused)
+                queries = [question]
+            elif self.hop_query == "keywords":
+                queries = question_keywords(question)
+            else:
+                candidates = {"identifier": result_identifiers, "title": result_titles}[self.hop_query]
+                queries = candidates(shown, question)
             if queries:
                 return self.render(self.second, queries[int(self.pick * len(queries))])
         ids = result_ids(shown)[:10] if self.answer == "ids" else []
@@ -269,14 +274,17 @@ def teacher_turns(
     hop_query_probs: Optional[np.ndarray] = None,
     answers: Sequence[str] = ("empty",),
     answer_probs: Optional[np.ndarray] = None,
+    hop_other: bool = False,
 ) -> TeacherPolicy:
     """A scripted policy: a search with the question verbatim; with probability ``hop`` a second
     search on a query drawn uniformly from the first search's results, of a kind drawn from
-    ``hop_queries`` (an identifier, ``result_identifiers``; a result's title, ``result_titles``; or the
-    question's content words, ``question_keywords``; none to follow: no second search); then an answer
+    ``hop_queries`` (an identifier, ``result_identifiers``; a result's title, ``result_titles``; the
+    question's content words, ``question_keywords``; or the question itself; none to follow: no second
+    search); then an answer
     of a kind drawn from ``answers`` ("empty": the environment's fallback ranks the results; "ids": the
     ids the searches showed, in order). The first search's tool is drawn from ``probs``, the second's
-    from ``hop_probs`` (both uniform by default), each search's number of results from ``top_ks`` with
+    from ``hop_probs`` (both uniform by default; with ``hop_other``, uniformly among the tools the first
+    search did not use), each search's number of results from ``top_ks`` with
     ``top_k_probs`` (``None``: no ``top_k`` argument), whatever the question. Every draw is made here,
     in a fixed order; a choice with a single option draws nothing."""
 
@@ -291,6 +299,8 @@ def teacher_turns(
         return render_tool_call(tool, {"query": query} | ({} if top_k is None else {"top_k": int(top_k)}))
 
     first = draw()
+    if hop_other and len(tool_names) > 1:
+        hop_probs = np.array([0.0 if name == first[0] else 1.0 for name in tool_names]) / (len(tool_names) - 1)
     second = draw(hop_probs) if hop > 0 and rng.random() < hop else None
     pick = rng.random() if second is not None else 0.0
     hop_query = pick_one(hop_queries, hop_query_probs) if second is not None else hop_queries[0]
@@ -312,6 +322,7 @@ def settings_teacher(settings, rng: np.random.Generator, hop: Optional[float] = 
         np.array(settings.hop_query_probs),
         settings.answers,
         np.array(settings.answer_probs),
+        settings.hop_other,
     )
 
 

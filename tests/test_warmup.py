@@ -217,6 +217,50 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
     )
 
 
+def test_teacher_hop_queries_and_the_other_tool():
+    question = "which pumps does the Acme plant use"
+    shown = "bm25_search results for 'q':\n[1] d1 | Acme plant | text.\n[2] d2 | Pumps of 1990 | text."
+    call = lambda text: json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))  # noqa: E731
+    expected = {
+        "title": {"Acme plant", "Pumps of 1990"},
+        "keywords": {"pumps Acme plant use"},
+        "question": {question},
+    }
+    for hop_query, queries in expected.items():
+        for hop_other in (False, True):
+            seen, same_tool = set(), 0
+            for i in range(200):
+                policy = teacher_turns(
+                    np.random.default_rng(i), TOOLS, hop=1.0, hop_queries=(hop_query,), hop_other=hop_other
+                )
+                first = policy([{"role": "user", "content": question}])
+                messages = [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": first},
+                    {"role": "tool", "content": shown},
+                ]
+                second = call(policy(messages))
+                seen.add(second["arguments"]["query"])
+                same_tool += second["name"] == call(first)["name"]
+            assert seen == queries, (hop_query, seen)
+            # "other": never the first search's tool; otherwise the second tool is drawn on its own (about half)
+            assert same_tool == 0 if hop_other else 60 < same_tool < 140, (hop_query, hop_other, same_tool)
+
+
+def test_teacher_hop_tools_other_needs_two_tools():
+    from configs import default
+    from mtrl_jax.setup import warmup_settings
+
+    config = default.get_config()
+    with config.unlocked():
+        config.warmup.teacher_hop_tools = "other"
+    assert warmup_settings(config).hop_other
+    with config.unlocked():
+        config.search.tools = "bm25_search"
+    with pytest.raises(ValueError, match="warmup.teacher_hop_tools='other' needs two tools"):
+        warmup_settings(config)
+
+
 def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
     from mtrl_jax.warmup import assistant_turns, turn_end
 
