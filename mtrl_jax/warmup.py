@@ -167,7 +167,6 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
 
 _RESULT_LINE = re.compile(r"^\[\d+\] (\S+) \| (.*)$")  # tools.render_results: "[rank] doc_id | title | text"
 _PUNCTUATION = ".,;:!?'\"()[]|"
-HOP_QUERIES = ("identifier", "title", "keywords", "question")  # warmup.teacher_hop_queries
 ANSWERS = ("empty", "ids")  # warmup.teacher_answers
 
 
@@ -220,6 +219,17 @@ def question_keywords(question: str) -> list[str]:
     return [kept] if kept and kept != question.strip() else []
 
 
+# warmup.teacher_hop_queries: what a second search may look for, as (results shown, question) -> the queries to
+# draw from: an identifier or a title the results showed, the question's content words, the question itself
+HOP_QUERY_SOURCES = {
+    "identifier": result_identifiers,
+    "title": result_titles,
+    "keywords": lambda shown, question: question_keywords(question),
+    "question": lambda shown, question: [question],
+}
+HOP_QUERIES = tuple(HOP_QUERY_SOURCES)
+
+
 class TeacherPolicy:
     """The scripted teacher of one episode (see ``teacher_turns``): called with the messages so far,
     returns the assistant's next turn."""
@@ -247,13 +257,7 @@ class TeacherPolicy:
         shown = "\n".join(m["content"] for m in messages if m["role"] == "tool")
         if self.second is not None and sum(m["role"] == "assistant" for m in messages) == 1:
             question = next(m["content"] for m in messages if m["role"] == "user")
-            if self.hop_query == "question":  # the same question again (with the other tool: both rankings fused)
-                queries = [question]
-            elif self.hop_query == "keywords":
-                queries = question_keywords(question)
-            else:
-                candidates = {"identifier": result_identifiers, "title": result_titles}[self.hop_query]
-                queries = candidates(shown, question)
+            queries = HOP_QUERY_SOURCES[self.hop_query](shown, question)
             if queries:
                 return self.render(self.second, queries[int(self.pick * len(queries))])
         ids = result_ids(shown)[:10] if self.answer == "ids" else []
