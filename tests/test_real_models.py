@@ -190,13 +190,17 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         "--config.rollout_max_concurrency=4",
         "--config.rollout.max_tokens_per_turn=24",
         "--config.rollout.decode_chunk=24",
-        "--config.rollout.max_len=1024",
+        # the base model's episodes are one turn cut at 24 tokens (about 150 in all): 256 is room for them, and
+        # one length branch of the full-parameter update (the recipe's 1,024 in buckets of 128: up to 8 compiled copies
+        # of the 30 layers' forward and backward, minutes of CI for nothing this test looks at)
+        "--config.rollout.max_len=256",
+        "--config.rl.length_bucket=256",
         "--config.warmup.steps=0",  # the RL step alone, every parameter trained (the recipe: the test below)
         "--config.model.lora_rank=0",
         "--config.rl.micro_batches=2",
         "--config.rl.entropy_coef=0.01",
         "--config.optim.learning_rate=1e-4",
-        "--config.checkpoint.every_steps=1",
+        "--config.checkpoint.every_steps=2",  # the last step's only: each is 1.6 GB (parameters and Adam moments)
         "--config.search.cache_dir=",
         "--config.search.encoder=tfidf",  # the recipe's plumbing: MiniLM would embed each corpus (minutes) here
         "--config.log.progress=False",
@@ -264,6 +268,7 @@ def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(tmp_path, sha
         "--config.rollout.group_size=2",
         "--config.rollout_max_concurrency=4",
         "--config.rl.micro_batches=1",
+        "--config.rl.length_bucket=1024",  # one compiled branch of the update, not one per 128 tokens
         "--config.search.cache_dir=",
         "--config.search.encoder=tfidf",  # the recipe's plumbing: MiniLM would embed each corpus (minutes) here
         "--config.log.progress=False",
