@@ -190,9 +190,8 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         "--config.rollout_max_concurrency=4",
         "--config.rollout.max_tokens_per_turn=24",
         "--config.rollout.decode_chunk=24",
-        # the base model's episodes are one turn cut at 24 tokens (about 150 in all): 256 is room for them, and
-        # one length branch of the full-parameter update (the recipe's 1,024 in buckets of 128: up to 8 compiled copies
-        # of the 30 layers' forward and backward, minutes of CI for nothing this test looks at)
+        # the base model's episodes are one turn cut at 24 tokens (about 150 in all): 256 holds them, in one length
+        # branch of the full-parameter update (the recipe's 1,024 in buckets of 128 compiles up to 8)
         "--config.rollout.max_len=256",
         "--config.rl.length_bucket=256",
         "--config.warmup.steps=0",  # the RL step alone, every parameter trained (the recipe: the test below)
