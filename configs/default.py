@@ -65,6 +65,9 @@ def get_config():
     c.data.max_eval_tasks = 0  # 0: all validation tasks
     # the first this many of each collection's validation tasks are evaluated (0: all); the split is unchanged
     c.data.max_eval_per_collection = 0
+    # the first this many of each collection's training tasks are the warm-up's and RL's (0: all); a quick
+    # trial of the mechanics (the tests' runs), the held-out split unchanged
+    c.data.max_train_per_collection = 0
 
     c.search = config_dict.ConfigDict()
     c.search.tools = "bm25_search,vector_search"

@@ -28,6 +28,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "data.validation_min": (0, 10**7, True),
     "data.max_eval_tasks": (0, 10**8, True),
     "data.max_eval_per_collection": (0, 10**8, True),
+    "data.max_train_per_collection": (0, 10**8, True),
     "search.tfidf_dim": (1, 65536, True),
     "search.top_k": (1, 20, True),  # the tools' max_top_k
     "search.max_doc_chars": (0, 10**6, True),

@@ -125,7 +125,9 @@ class Components:
 
 
 def build_data(config) -> tuple[dict[str, Collection], list, list]:
-    """Collections by name, train tasks (mixture) and validation tasks (5% per dataset)."""
+    """Collections by name, train tasks (mixture) and validation tasks (5% per dataset). With
+    ``data.max_train_per_collection`` / ``max_eval_per_collection``, the first that many of each
+    collection's training / validation tasks (the split itself unchanged)."""
     collections = {}
     if config.data.synthetic:
         c = make_synthetic_collection(config.data.synthetic_seed)
@@ -140,7 +142,7 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
     train, val = {}, []
     for name, c in collections.items():
         t, v = split(c.tasks, config.data.validation_fraction, minimum=config.data.validation_min)
-        train[name] = t
+        train[name] = t[: config.data.max_train_per_collection or None]
         val += v[: config.data.max_eval_per_collection or None]
     weights = csv(config.data.weights)
     if weights:

@@ -2,6 +2,8 @@
 equals the single-device step for several mesh shapes, and the compiled programs keep the table's
 shardings for parameters, batches and the KV cache."""
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,23 +97,25 @@ def one_rl_step(chat, cfg, params, mesh, lora_rank=0):
 
 
 @pytest.fixture(scope="module")
-def single_device_step(setup):
-    """The reference every mesh shape is compared with, computed once."""
-    return one_rl_step(*setup, None)
-
-
-@pytest.fixture(scope="module")
-def single_device_lora_step(setup):
-    return one_rl_step(*setup, None, lora_rank=4)
+def rl_steps(setup):
+    """``one_rl_step`` on one device (the reference each mesh shape is compared with) and on every mesh shape,
+    with and without LoRA, computed once, two at a time: most of each is XLA compiling programs of its own,
+    which holds one core and lets another thread run. ``{(shape or None, lora_rank): future}``."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {
+            (shape, rank): pool.submit(one_rl_step, *setup, shape and make_mesh(shape), lora_rank=rank)
+            for rank in (0, 4)
+            for shape in (None, *MESHES)
+        }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", MESHES)
-def test_one_lora_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_device_lora_step, shape):
+def test_one_lora_rl_step_on_a_mesh_equals_the_single_device_step(setup, rl_steps, shape):
     """LoRA adapters, sharded by the logical axes of the weights they adapt, and a frozen base."""
     chat, cfg, params = setup
-    ref_trajectories, ref_state, _ = single_device_lora_step
-    trajectories, state, _ = one_rl_step(chat, cfg, params, make_mesh(shape), lora_rank=4)
+    ref_trajectories, ref_state, _ = rl_steps[None, 4].result()
+    trajectories, state, _ = rl_steps[shape, 4].result()
     assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params
@@ -126,11 +130,11 @@ def test_one_lora_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", MESHES)
-def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, single_device_step, shape):
+def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, rl_steps, shape):
     assert jax.device_count() >= 8, "conftest sets 8 fake CPU devices"
     chat, cfg, params = setup
-    ref_trajectories, ref_state, _ = single_device_step
-    trajectories, state, metrics = one_rl_step(chat, cfg, params, make_mesh(shape))
+    ref_trajectories, ref_state, _ = rl_steps[None, 0].result()
+    trajectories, state, metrics = rl_steps[shape, 0].result()
     assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]  # the same samples
     np.testing.assert_allclose([t.behav_logp for t in trajectories][0], ref_trajectories[0].behav_logp, atol=1e-5)
     jax.tree.map(

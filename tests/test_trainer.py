@@ -44,6 +44,8 @@ SMALL = [
     "--config.warmup.share_prefix=False",
     # the demonstrations of the training questions only, not 3 rewritten copies too (4x fewer to render)
     "--config.warmup.augment=0",
+    # of the first 96 training questions (RL's too): 160 demonstrations to render instead of 2,127
+    "--config.data.max_train_per_collection=96",
 ]
 
 
@@ -437,23 +439,43 @@ def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_
     assert components.collector.min_prompt == shortest
 
 
+MESHES = ["(2,2,2)", "(1,2,4)", "(1,8,1)"]
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    """The default's runs on the three meshes, started together (each compiles programs of its own, most of it
+    on one core): ``{shape: (process, work directory)}``; each test waits for its own."""
+    runs = {}
+    for shape in MESHES:
+        workdir = tmp_path_factory.mktemp("mesh") / "run"
+        args = [f"--config.model.mesh_shape={shape}", "--config.rollout_max_concurrency=8"]
+        args += ["--config.rollout.group_size=4", "--config.max_steps=2"]
+        cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={workdir}"]
+        output = workdir.parent / "output.txt"  # a file, not a pipe: a run waiting for its reader would stall
+        with output.open("w") as f:
+            proc = subprocess.Popen(cmd + SMALL + args, cwd=REPO, env=subprocess_env(8), stdout=f, stderr=f)
+        runs[shape] = proc, workdir, output
+    yield runs
+    for proc, _, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["(2,2,2)", "(1,2,4)", "(1,8,1)"])
-def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(tmp_path, shape):
+@pytest.mark.parametrize("shape", MESHES)
+def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(mesh_runs, shape):
     """The default's tokenizer vocabulary (which 8 does not divide) on tensor- and FSDP-parallel meshes of 8 fake
     CPU devices: padded to a multiple of 8, the padding masked, two RL steps."""
-    out = _run(
-        tmp_path / "run",
-        f"--config.model.mesh_shape={shape}",
-        "--config.rollout_max_concurrency=8",
-        "--config.rollout.group_size=4",
-        "--config.max_steps=2",
-        devices=8,
-    )
-    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    proc, workdir, output = mesh_runs[shape]
+    proc.wait(timeout=900)
+    out = output.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
     assert summary["rl_steps"] == 2 and "[after RL] validation" in out
-    vocab = json.loads((tmp_path / "run/tokenizer.json").read_text())["model"]["vocab"]
-    added = json.loads((tmp_path / "run/tokenizer.json").read_text())["added_tokens"]
+    vocab = json.loads((workdir / "tokenizer.json").read_text())["model"]["vocab"]
+    added = json.loads((workdir / "tokenizer.json").read_text())["added_tokens"]
     assert (len(vocab) + len({t["id"] for t in added} - set(vocab.values()))) % 8  # the vocabulary 8 does not divide
 
 
