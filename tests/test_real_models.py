@@ -160,23 +160,45 @@ def test_export_and_reload_is_lossless(real, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
 
 
-@pytest.mark.slow
-def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp_path, shared_data):
-    """configs/real_cpu.py, shrunk: 2 RL steps of SmolLM2-135M-Instruct on Cranfield. An entropy bonus
-    gives the step a gradient whatever the rewards (a base model's are often all equal)."""
+def _tiny_checkpoint(directory, tiny):
+    """A tiny randomly initialised Llama checkpoint in HF format with ``directory``'s tokenizer and chat template."""
+    import shutil
+
+    from mtrl_jax.model import ModelConfig, init_params
+    from mtrl_jax.model.transformer import Transformer
+
+    hf = json.loads((directory / "config.json").read_text())
+    hf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    hf["head_dim"] = 16
+    cfg = ModelConfig.from_hf(hf)
+    save_hf_checkpoint(Transformer(cfg), init_params(cfg, jax.random.PRNGKey(0)), tiny)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(directory / name, tiny / name)
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """The two runs of configs/real_cpu.py below, started together (the one compiles while the other computes):
+    ``{name: (process, work directory, output file)}``; each test waits for its own."""
     import subprocess
     import sys
 
-    import orbax.checkpoint as ocp
+    from conftest import SHARED_DATA as shared_data
 
     directory = R.MODELS_DIR / "smollm2-135m-instruct"
     if not (directory / "fetch.json").exists():
         pytest.skip(
-            f"smollm2-135m-instruct not fetched: python -m tools.fetch_models --model smollm2-135m-instruct "
-            f"--out {directory}"
+            f"smollm2-135m-instruct not fetched (its weights, tokenizer and template are needed): python -m "
+            f"tools.fetch_models --model smollm2-135m-instruct --out {directory}"
         )
-    workdir = tmp_path / "run"
-    args = [
+    if not shared_data.is_dir():
+        pytest.skip(f"shared IR collections not found at {shared_data}")
+    root = tmp_path_factory.mktemp("recipe")
+    tiny = root / "tiny"
+    _tiny_checkpoint(directory, tiny)
+    folders = ",".join(str(shared_data / n) for n in ("scifact", "cranfield", "musique", "dbpedia_entity_5k"))
+    workdir = smollm2_dir = root / "smollm2"
+    smollm2 = [
         "--config=configs/real_cpu.py",
         f"--config.model.checkpoint={directory}",
         f"--workdir={workdir}",
@@ -205,59 +227,14 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(tmp
         "--config.log.progress=False",
         "--config.rollout.precompile=False",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
-    for s in steps:  # the sampler's (behaviour) and the update's recomputed log-probs of the same tokens
-        assert s["train/behav_logp_max_abs_dev"] <= 1e-3, s["train/behav_logp_max_abs_dev"]
-        assert s["train/grad_norm"] > 0
-    state = ocp.CheckpointManager(workdir.absolute() / "checkpoints").restore(
-        2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore())
-    )["state"]
-    _, start = load_hf_checkpoint(directory)
-    moved = jax.tree.map(
-        lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"]
-    )
-    assert max(jax.tree.leaves(moved)) > 1e-5
-
-
-@pytest.mark.slow
-def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(tmp_path, shared_data):
-    """configs/real_cpu.py end to end, shrunk to 2 warm-up steps and 1 RL step, on a tiny randomly
-    initialised Llama checkpoint in HF format that carries SmolLM2's tokenizer and chat template: the base
-    evaluation, the warm-up on the four collections' demonstrations, RL with LoRA, the evaluation after;
-    no held-out query in the RL batch."""
-    import shutil
-    import subprocess
-    import sys
-
-    from mtrl_jax.model import ModelConfig, init_params
-    from mtrl_jax.model.transformer import Transformer
-
-    directory = R.MODELS_DIR / "smollm2-135m-instruct"
-    if not (directory / "fetch.json").exists():
-        pytest.skip(f"smollm2-135m-instruct not fetched (its tokenizer and template are needed): {directory}")
-    hf = json.loads((directory / "config.json").read_text())
-    hf.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    hf["head_dim"] = 16
-    tiny = tmp_path / "tiny"
-    cfg = ModelConfig.from_hf(hf)
-    from mtrl_jax.model import save_hf_checkpoint
-
-    save_hf_checkpoint(Transformer(cfg), init_params(cfg, jax.random.PRNGKey(0)), tiny)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(directory / name, tiny / name)
-    workdir = tmp_path / "run"
-    folders = ",".join(str(shared_data / n) for n in ("scifact", "cranfield", "musique", "dbpedia_entity_5k"))
-    args = [
+    workdir = tiny_dir = root / "tiny_run"
+    recipe = [
         "--config=configs/real_cpu.py",
         f"--config.model.checkpoint={tiny}",
         f"--workdir={workdir}",
         f"--config.data.folders={folders}",
         "--config.data.max_eval_tasks=8",
+        "--config.data.max_train_per_collection=16",  # 252 demonstrations drawn, not 2,240
         "--config.eval.before_warmup=True",
         "--config.warmup.steps=2",
         "--config.warmup.batch_size=4",
@@ -273,11 +250,56 @@ def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(tmp_path, sha
         "--config.log.progress=False",
         "--config.rollout.precompile=False",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, capture_output=True, text=True, timeout=1500
+    runs = {}
+    for name, args, workdir in (("smollm2", smollm2, smollm2_dir), ("tiny", recipe, tiny_dir)):
+        output = root / f"{name}.txt"  # a file, not a pipe: a run waiting for its reader would stall
+        with output.open("w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, stdout=f, stderr=f)
+        runs[name] = proc, workdir, output
+    yield runs
+    for proc, _, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _finished(run):
+    proc, workdir, output = run
+    proc.wait(timeout=1500)
+    out = output.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    return workdir, out
+
+
+@pytest.mark.slow
+def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(recipe_runs):
+    """configs/real_cpu.py, shrunk: 2 RL steps of SmolLM2-135M-Instruct on Cranfield. An entropy bonus
+    gives the step a gradient whatever the rewards (a base model's are often all equal)."""
+    import orbax.checkpoint as ocp
+
+    workdir, _ = _finished(recipe_runs["smollm2"])
+    steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:  # the sampler's (behaviour) and the update's recomputed log-probs of the same tokens
+        assert s["train/behav_logp_max_abs_dev"] <= 1e-3, s["train/behav_logp_max_abs_dev"]
+        assert s["train/grad_norm"] > 0
+    state = ocp.CheckpointManager(workdir.absolute() / "checkpoints").restore(
+        2, args=ocp.args.Composite(state=ocp.args.StandardRestore(), record=ocp.args.JsonRestore())
+    )["state"]
+    _, start = load_hf_checkpoint(R.MODELS_DIR / "smollm2-135m-instruct")
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()), start, state["params"]
     )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
+    assert max(jax.tree.leaves(moved)) > 1e-5
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(recipe_runs):
+    """configs/real_cpu.py end to end, shrunk to 2 warm-up steps and 1 RL step, on a tiny randomly
+    initialised Llama checkpoint in HF format that carries SmolLM2's tokenizer and chat template: the base
+    evaluation, the warm-up on the four collections' demonstrations, RL with LoRA, the evaluation after;
+    no held-out query in the RL batch."""
+    workdir, out = _finished(recipe_runs["tiny"])
     assert "[base policy] validation" in out and "[before RL] validation" in out and "[after RL] validation" in out
     assert re.search(r"warm-up on \d+ scripted demonstrations for 2 steps", out)
     summary = json.loads((workdir / "summary.json").read_text())

@@ -82,7 +82,13 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=600):
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     steps = ["--config.max_steps=3"]
-    out = _run(tmp_path / "straight", *steps)
+    straight = _run(tmp_path / "straight", *steps, wait=False)  # beside the killed run: the same programs to compile
+    proc = _run(tmp_path / "killed", *steps, wait=False)
+    _wait_for_checkpoint(tmp_path / "killed", 1, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = straight.communicate(timeout=900)[0]
+    assert straight.returncode == 0, out[-3000:]
     assert "[before RL] validation: nDCG@10" in out and "[after RL] validation: nDCG@10" in out
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     for phase in ("before", "after"):
@@ -91,10 +97,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
         assert set(by_type) <= {"synthetic/lookup", "synthetic/describe", "synthetic/multihop"} and by_type
         assert sum(v["queries"] for v in by_type.values()) == summary[phase]["queries"]
 
-    proc = _run(tmp_path / "killed", *steps, wait=False)
-    _wait_for_checkpoint(tmp_path / "killed", 1, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     out = _run(tmp_path / "killed", *steps)
     assert "resumed from" in out
 
@@ -233,6 +235,15 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]
     assert "[after RL] validation" in out
+
+
+def test_max_train_per_collection_keeps_the_first_training_tasks_and_the_split():
+    from experiments.sweep import load_config
+    from mtrl_jax.setup import build_data
+
+    _, train, val = build_data(load_config("configs/default.py", []))
+    _, first, same_val = build_data(load_config("configs/default.py", ["--config.data.max_train_per_collection=96"]))
+    assert len(train) > 96 and first == train[:96] and same_val == val
 
 
 def test_resuming_with_kl_but_no_reference_is_an_error(tmp_path):
@@ -521,10 +532,11 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
 
     run = ["--config.model.lora_rank=4", "--config.warmup.train_base=True", "--config.rl.kl_coef=0.0"]
     run += ["--config.rl.entropy_coef=0.01", "--config.optim.warmup_steps=0"]  # a gradient whatever the rewards
+    straight = _run(tmp_path / "straight", *run, "--config.max_steps=2", wait=False)  # the same programs, beside
     _run(tmp_path / "run", *run, "--config.max_steps=1")
     out = _run(tmp_path / "run", *run, "--config.max_steps=2")
     assert "resumed from" in out
-    _run(tmp_path / "straight", *run, "--config.max_steps=2")
+    assert straight.wait(timeout=900) == 0, straight.stdout.read()[-3000:]
     config = load_config("configs/default.py", [*SMALL, *run, "--config.max_steps=2"])
     c, trained = trained_policy(config, tmp_path / "run")
     initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).updater.frozen
