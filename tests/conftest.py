@@ -6,6 +6,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] += (
     "" if "device_count" in os.environ["XLA_FLAGS"] else " --xla_force_host_platform_device_count=8"
 )
+import envs  # noqa: E402
 from envs import FAST_COMPILE  # noqa: E402 - optimisation level 0: see envs.py
 
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
@@ -38,6 +39,15 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "background(name): reads the run ``name`` started ahead (envs.background)")
+
+
+def pytest_collection_finish(session):
+    """The selected tests' background runs (``envs.background``) start now, in the order of their tests."""
+    if session.config.option.collectonly:
+        return
+    names = [m.args[0] for item in session.items for m in item.iter_markers("background")]
+    envs.start_background(list(dict.fromkeys(names)))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from envs import subprocess_env
+from envs import background, background_result, popen, subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = [
@@ -79,46 +79,43 @@ def _final_state(workdir: pathlib.Path, step: int, like=None):
     return restored["state"], restored["record"]
 
 
-@pytest.mark.slow
-def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
-    # the one-process run beside the two processes (their programs differ: 8 devices against 4 each)
-    with (tmp_path / "one.txt").open("w") as f:  # a file, not a pipe: the run would stall on a full one
-        single = subprocess.Popen(
-            [sys.executable, "-m", "experiments.run", *TINY, f"--workdir={tmp_path / 'one'}"],
-            cwd=REPO,
-            env=_env(8),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
-
+@background("multihost")
+def _one_and_two_processes(root):
+    """The run in one process of 8 devices and in two of 4, all three started together (the programs of 8
+    devices and of 4 differ): ``root`` (work directories ``root / name``) and ``{"one" | "two": (return codes,
+    outputs)}``."""
     port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "experiments.run",
-                *TINY,
-                f"--workdir={tmp_path / 'two'}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-            ],
-            cwd=REPO,
-            env=_env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    runs = {"one": [([], 8, root / "one.txt")]}
+    runs["two"] = [
+        ([f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"], 4, root / f"two{i}.txt")
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    single.wait(timeout=900)
-    assert single.returncode == 0, (tmp_path / "one.txt").read_text()[-3000:]
-    for i, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {i}:\n" + out[-4000:]
-    assert "process 1 of 2: 4 local devices, 8 in all" in outputs[1]
+    procs = {
+        name: [
+            popen(
+                [sys.executable, "-m", "experiments.run", *TINY, f"--workdir={root / name}", *extra],
+                output,
+                cwd=REPO,
+                env=_env(devices),
+            )
+            for extra, devices, output in started
+        ]
+        for name, started in runs.items()
+    }
+    return root, {
+        name: ([p.wait(timeout=900) for p in procs[name]], [output.read_text() for _, _, output in runs[name]])
+        for name in runs
+    }
 
+
+@pytest.mark.slow
+@pytest.mark.background("multihost")
+def test_two_processes_of_four_devices_equal_one_process_of_eight():
+    tmp_path, runs = background_result("multihost")
+    for name, (codes, outputs) in runs.items():
+        for i, (code, out) in enumerate(zip(codes, outputs)):
+            assert code == 0, f"{name}, process {i}:\n" + out[-4000:]
+    assert "process 1 of 2: 4 local devices, 8 in all" in runs["two"][1][1]
     one, record_one = _final_state(tmp_path / "one", 2)
     two, record_two = _final_state(tmp_path / "two", 2, like=one)
     assert record_one["rl_step"] == record_two["rl_step"] == 2

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from envs import subprocess_env
+from envs import background, background_result, popen, subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = {
@@ -27,35 +27,38 @@ SHAPE = {
 }
 
 
-def _plan(model, *extra):
-    """Start ``tools/plan_scale.py`` on the shape file ``model``; ``_result`` waits for it and reads its JSON line."""
+def _plan(model, *extra, output):
+    """Start ``tools/plan_scale.py`` on the shape file ``model``, writing to ``output``."""
     env = subprocess_env()  # plan_scale.py sets its own --devices
-    return subprocess.Popen(
-        [sys.executable, "-m", "tools.plan_scale", "--model", str(model), "--json", *extra],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cmd = [sys.executable, "-m", "tools.plan_scale", "--model", str(model), "--json", *extra]
+    return popen(cmd, output, cwd=REPO, env=env)
 
 
-def _result(proc):
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+@background("plans")
+def _plans(root):
+    """The four plans below, started together (each compile is one thread): ``{name: its JSON line}``."""
+    model = root / "shape.json"
+    model.write_text(json.dumps(SHAPE))
+    common = ["--batch", "8", "--seq", "128"]
+    args = {
+        "one": ["--devices", "1", "--mesh", "1,1,1", *common],
+        "eight": ["--devices", "8", "--mesh", "1,8,1", *common, "--only", "update"],
+        "full": ["--devices", "1", "--mesh", "1,1,1", *common, "--only", "update"],
+        "adapters": ["--devices", "1", "--mesh", "1,1,1", *common, "--only", "update", "--lora", "4"],
+    }
+    procs = {name: _plan(model, *extra, output=root / f"{name}.txt") for name, extra in args.items()}
+    plans = {}
+    for name, proc in procs.items():
+        output = root / f"{name}.txt"
+        assert proc.wait(timeout=600) == 0, output.read_text()[-3000:]
+        plans[name] = json.loads(output.read_text().strip().splitlines()[-1])
+    return plans
 
 
 @pytest.mark.slow
-def test_plan_reports_per_device_memory_and_flops(tmp_path):
-    model = tmp_path / "shape.json"
-    model.write_text(json.dumps(SHAPE))
-    # the two plans compile their programs side by side (each compile is one thread)
-    plans = [
-        _plan(model, "--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128"),
-        _plan(model, "--devices", "8", "--mesh", "1,8,1", "--batch", "8", "--seq", "128", "--only", "update"),
-    ]
-    one, eight = [_result(p) for p in plans]
+@pytest.mark.background("plans")
+def test_plan_reports_per_device_memory_and_flops():
+    one, eight = (background_result("plans")[name] for name in ("one", "eight"))
     n = one["params"]
     assert n == 512 * 256 * 2 + 4 * (256 * 4 * 64 * 2 + 256 * 2 * 64 * 2 + 3 * 256 * 768 + 2 * 256 + 2 * 64) + 256
     assert "decode" not in eight  # --only update compiles one program
@@ -96,13 +99,11 @@ def test_plan_rejects_a_mesh_that_does_not_match_the_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_plan_with_lora_keeps_adapter_state_and_a_frozen_base(tmp_path):
+@pytest.mark.background("plans")
+def test_plan_with_lora_keeps_adapter_state_and_a_frozen_base():
     """``--lora``: the update's arguments are the frozen bfloat16 base, the float32 adapters and their Adam
     state; full fine-tuning holds float32 master parameters and two float32 moments of every parameter."""
-    model = tmp_path / "shape.json"
-    model.write_text(json.dumps(SHAPE))
-    common = ["--devices", "1", "--mesh", "1,1,1", "--batch", "8", "--seq", "128", "--only", "update"]
-    full, adapters = [_result(p) for p in [_plan(model, *common), _plan(model, *common, "--lora", "4")]]
+    full, adapters = (background_result("plans")[name] for name in ("full", "adapters"))
     n = full["params"]
     assert adapters["params"] == n and adapters["lora"] == 4 and full["param_dtype"] == "float32"
     assert full["update"]["argument_bytes"] >= 3 * 4 * n  # parameters + Adam's two moments, float32

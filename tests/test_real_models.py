@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import tools.make_real_fixtures as R
+from envs import background, background_result, popen
 from mtrl_jax.chat import TemplateChat
 from mtrl_jax.model import compute_logits, load_hf_checkpoint, save_hf_checkpoint
 from mtrl_jax.rollout.engine import Sampler
@@ -176,24 +177,32 @@ def _tiny_checkpoint(directory, tiny):
         shutil.copy(directory / name, tiny / name)
 
 
-@pytest.fixture(scope="module")
-def recipe_runs(tmp_path_factory):
+def _recipe_skip():
+    """Why the runs of configs/real_cpu.py below cannot run here, or None."""
+    from conftest import SHARED_DATA
+
+    directory = R.MODELS_DIR / "smollm2-135m-instruct"
+    if not (directory / "fetch.json").exists():
+        return (
+            f"smollm2-135m-instruct not fetched (its weights, tokenizer and template are needed): python -m "
+            f"tools.fetch_models --model smollm2-135m-instruct --out {directory}"
+        )
+    if not SHARED_DATA.is_dir():
+        return f"shared IR collections not found at {SHARED_DATA}"
+    return None
+
+
+@background("recipe")
+def _recipe_runs(root):
     """The two runs of configs/real_cpu.py below, started together (the one compiles while the other computes):
-    ``{name: (process, work directory, output file)}``; each test waits for its own."""
-    import subprocess
+    ``{name: (return code, work directory, output)}``, or None when they cannot run here (``_recipe_skip``)."""
     import sys
 
     from conftest import SHARED_DATA as shared_data
 
+    if _recipe_skip():
+        return None
     directory = R.MODELS_DIR / "smollm2-135m-instruct"
-    if not (directory / "fetch.json").exists():
-        pytest.skip(
-            f"smollm2-135m-instruct not fetched (its weights, tokenizer and template are needed): python -m "
-            f"tools.fetch_models --model smollm2-135m-instruct --out {directory}"
-        )
-    if not shared_data.is_dir():
-        pytest.skip(f"shared IR collections not found at {shared_data}")
-    root = tmp_path_factory.mktemp("recipe")
     tiny = root / "tiny"
     _tiny_checkpoint(directory, tiny)
     folders = ",".join(str(shared_data / n) for n in ("scifact", "cranfield", "musique", "dbpedia_entity_5k"))
@@ -250,34 +259,34 @@ def recipe_runs(tmp_path_factory):
         "--config.log.progress=False",
         "--config.rollout.precompile=False",
     ]
-    runs = {}
-    for name, args, workdir in (("smollm2", smollm2, smollm2_dir), ("tiny", recipe, tiny_dir)):
-        output = root / f"{name}.txt"  # a file, not a pipe: a run waiting for its reader would stall
-        with output.open("w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=R.REPO, stdout=f, stderr=f)
-        runs[name] = proc, workdir, output
-    yield runs
-    for proc, _, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    runs = {
+        name: (popen([sys.executable, "-m", "experiments.run", *args], root / f"{name}.txt", cwd=R.REPO), workdir)
+        for name, args, workdir in (("smollm2", smollm2, smollm2_dir), ("tiny", recipe, tiny_dir))
+    }
+    return {
+        name: (proc.wait(timeout=1500), workdir, (root / f"{name}.txt").read_text())
+        for name, (proc, workdir) in runs.items()
+    }
 
 
-def _finished(run):
-    proc, workdir, output = run
-    proc.wait(timeout=1500)
-    out = output.read_text()
-    assert proc.returncode == 0, out[-4000:]
+def _finished(name):
+    """The work directory and output of the run ``name`` of ``_recipe_runs``, which ended well."""
+    reason = _recipe_skip()
+    if reason:
+        pytest.skip(reason)
+    code, workdir, out = background_result("recipe")[name]
+    assert code == 0, out[-4000:]
     return workdir, out
 
 
 @pytest.mark.slow
-def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(recipe_runs):
+@pytest.mark.background("recipe")
+def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs():
     """configs/real_cpu.py, shrunk: 2 RL steps of SmolLM2-135M-Instruct on Cranfield. An entropy bonus
     gives the step a gradient whatever the rewards (a base model's are often all equal)."""
     import orbax.checkpoint as ocp
 
-    workdir, _ = _finished(recipe_runs["smollm2"])
+    workdir, _ = _finished("smollm2")
     steps = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:  # the sampler's (behaviour) and the update's recomputed log-probs of the same tokens
@@ -294,12 +303,13 @@ def test_two_rl_steps_on_smollm2_change_the_parameters_and_keep_the_logprobs(rec
 
 
 @pytest.mark.slow
-def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template(recipe_runs):
+@pytest.mark.background("recipe")
+def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template():
     """configs/real_cpu.py end to end, shrunk to 2 warm-up steps and 1 RL step, on a tiny randomly
     initialised Llama checkpoint in HF format that carries SmolLM2's tokenizer and chat template: the base
     evaluation, the warm-up on the four collections' demonstrations, RL with LoRA, the evaluation after;
     no held-out query in the RL batch."""
-    workdir, out = _finished(recipe_runs["tiny"])
+    workdir, out = _finished("tiny")
     assert "[base policy] validation" in out and "[before RL] validation" in out and "[after RL] validation" in out
     assert re.search(r"warm-up on \d+ scripted demonstrations for 2 steps", out)
     summary = json.loads((workdir / "summary.json").read_text())

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from envs import subprocess_env
+from envs import background, background_result, popen, subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMALL = [
@@ -356,16 +356,22 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     assert meta["rl_step"] == steps[-1]
 
 
+@background("greedy")
+def _greedy_run(root):
+    """With every extend / decode shape compiled in the background (the default), stopped at the end, and the
+    default's warm-up, the shared prompt computed once per step: ``(work directory, return code, output)``."""
+    args = ["--config.rollout.temperature=0", "--config.max_steps=2", "--config.rollout.precompile=True"]
+    args += ["--config.warmup.share_prefix=True"]
+    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={root / 'run'}"]
+    proc = popen(cmd + SMALL + args, root / "output.txt", cwd=REPO, env=subprocess_env())
+    return root / "run", proc.wait(timeout=900), (root / "output.txt").read_text()
+
+
 @pytest.mark.slow
-def test_greedy_rollouts_train_without_nan(tmp_path):
-    # with every extend / decode shape compiled in the background (the default), stopped at the end
-    out = _run(
-        tmp_path,
-        "--config.rollout.temperature=0",
-        "--config.max_steps=2",
-        "--config.rollout.precompile=True",
-        "--config.warmup.share_prefix=True",
-    )  # and the default's warm-up, the shared prompt computed once per step
+@pytest.mark.background("greedy")
+def test_greedy_rollouts_train_without_nan():
+    tmp_path, code, out = background_result("greedy")
+    assert code == 0, out[-3000:]
     assert re.search(r"warm-up: the [1-9]\d* tokens every demonstration opens with are computed once per step", out)
     state, _ = _final_state(tmp_path, 2)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
@@ -453,36 +459,31 @@ def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_
 MESHES = ["(2,2,2)", "(1,2,4)", "(1,8,1)"]
 
 
-@pytest.fixture(scope="module")
-def mesh_runs(tmp_path_factory):
+@background("mesh")
+def _mesh_runs(root):
     """The default's runs on the three meshes, started together (each compiles programs of its own, most of it
-    on one core): ``{shape: (process, work directory)}``; each test waits for its own."""
+    on one core): ``{shape: (return code, work directory, output)}``."""
     runs = {}
-    for shape in MESHES:
-        workdir = tmp_path_factory.mktemp("mesh") / "run"
+    for i, shape in enumerate(MESHES):
+        workdir = root / f"mesh{i}"
         args = [f"--config.model.mesh_shape={shape}", "--config.rollout_max_concurrency=8"]
         args += ["--config.rollout.group_size=4", "--config.max_steps=2"]
         cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={workdir}"]
-        output = workdir.parent / "output.txt"  # a file, not a pipe: a run waiting for its reader would stall
-        with output.open("w") as f:
-            proc = subprocess.Popen(cmd + SMALL + args, cwd=REPO, env=subprocess_env(8), stdout=f, stderr=f)
-        runs[shape] = proc, workdir, output
-    yield runs
-    for proc, _, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        runs[shape] = popen(cmd + SMALL + args, root / f"mesh{i}.txt", cwd=REPO, env=subprocess_env(8)), workdir
+    return {
+        shape: (proc.wait(timeout=900), workdir, (root / f"mesh{i}.txt").read_text())
+        for i, (shape, (proc, workdir)) in enumerate(runs.items())
+    }
 
 
 @pytest.mark.slow
+@pytest.mark.background("mesh")
 @pytest.mark.parametrize("shape", MESHES)
-def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(mesh_runs, shape):
+def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(shape):
     """The default's tokenizer vocabulary (which 8 does not divide) on tensor- and FSDP-parallel meshes of 8 fake
     CPU devices: padded to a multiple of 8, the padding masked, two RL steps."""
-    proc, workdir, output = mesh_runs[shape]
-    proc.wait(timeout=900)
-    out = output.read_text()
-    assert proc.returncode == 0, out[-3000:]
+    code, workdir, out = background_result("mesh")[shape]
+    assert code == 0, out[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["rl_steps"] == 2 and "[after RL] validation" in out
     vocab = json.loads((workdir / "tokenizer.json").read_text())["model"]["vocab"]
