@@ -58,6 +58,7 @@ def test_the_adapters_start_as_the_base_model_and_sit_beside_the_weights_they_ad
         CFG.replace(lora_targets=("q", "lm_head"))
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_the_adapters_gradient_is_the_full_gradient_projected_onto_them():
     """d/dA and d/dB of a loss equal (alpha / r) * G B^T and (alpha / r) * A^T G, G the gradient of the same
     loss with respect to the merged weight W + (alpha / r) A B (one layer's q, o and down projections)."""

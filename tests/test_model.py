@@ -273,6 +273,7 @@ def test_program_size_does_not_grow_with_depth():
     assert size(2) == size(12)
 
 
+@pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it
 def test_unstacked_layers_compute_what_stacked_layers_compute():
     """``unstack_layers`` (the decode loop's parameters) gives the same hidden states and cache, with
     and without a cache, and the same gradient with remat; stacked parameters are left as they are."""
