@@ -49,8 +49,12 @@ SMALL = [
 ]
 
 
+def _command(workdir, *extra, config="configs/default.py"):
+    return [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *SMALL, *extra]
+
+
 def _run(workdir, *extra, config="configs/default.py", wait=True, devices=1):
-    cmd = [sys.executable, "-m", "experiments.run", f"--config={config}", f"--workdir={workdir}", *SMALL, *extra]
+    cmd = _command(workdir, *extra, config=config)
     if not wait:
         return subprocess.Popen(
             cmd, cwd=REPO, env=subprocess_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -362,8 +366,7 @@ def _greedy_run(root):
     default's warm-up, the shared prompt computed once per step: ``(work directory, return code, output)``."""
     args = ["--config.rollout.temperature=0", "--config.max_steps=2", "--config.rollout.precompile=True"]
     args += ["--config.warmup.share_prefix=True"]
-    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={root / 'run'}"]
-    proc = popen(cmd + SMALL + args, root / "output.txt", cwd=REPO, env=subprocess_env())
+    proc = popen(_command(root / "run", *args), root / "output.txt", cwd=REPO, env=subprocess_env())
     return root / "run", proc.wait(timeout=900), (root / "output.txt").read_text()
 
 
@@ -468,8 +471,7 @@ def _mesh_runs(root):
         workdir = root / f"mesh{i}"
         args = [f"--config.model.mesh_shape={shape}", "--config.rollout_max_concurrency=8"]
         args += ["--config.rollout.group_size=4", "--config.max_steps=2"]
-        cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={workdir}"]
-        runs[shape] = popen(cmd + SMALL + args, root / f"mesh{i}.txt", cwd=REPO, env=subprocess_env(8)), workdir
+        runs[shape] = popen(_command(workdir, *args), root / f"mesh{i}.txt", cwd=REPO, env=subprocess_env(8)), workdir
     return {
         shape: (proc.wait(timeout=900), workdir, (root / f"mesh{i}.txt").read_text())
         for i, (shape, (proc, workdir)) in enumerate(runs.items())
