@@ -1,6 +1,6 @@
 """configs/real_cpu.py with a teacher that demonstrates both tools: on 8 of 10 demonstrations the first
 search is followed by a second with the other tool on the question again, and the empty answer lets the
-environment fuse the two result lists. After RL the agent makes that move on (almost) every held-out query.
+environment fuse the two result lists. After RL two of three seeds make that move on (almost) every held-out query.
 
     python -m benchmarks.bench_real_learning --config=configs/real_cpu_two_tools.py --seeds 0,1,2
 
