@@ -7,6 +7,7 @@ environment fuse the two result lists. After RL two of three seeds make that mov
 Measured, seeds 0, 1 and 2 (docs/real_models.md): held-out SciFact 0.772 / 0.739 / 0.717 after RL against the
 best one search's 0.748 (fusion): above it on one seed of three, -0.006 as the mean. Seed 2 ended at one vector
 search; seeds 0 and 1 at both tools for 5 results each (10 each overflow SciFact's 1,024-token context).
+With ``--config.rollout.max_len=1536``, where 10 of each fit, seed 0 ended at one vector search (SciFact 0.717).
 Cranfield, MuSiQue and DBpedia-entity stay at or below their best one search on every seed, since one fixed
 move for every collection is not the best one for each. Three turns an episode make an RL step about 2.5x the
 recipe's: 110-124 minutes a seed, over the 90 aimed for, so this is not the default recipe.
