@@ -10,7 +10,9 @@ Each seed is one ``experiments.run`` of the config with ``eval.before_warmup`` o
 prints, per collection and stage (base -> warmed up -> after RL): nDCG@10 (failures count 0), failure
 rate by reason, mean turns, tool calls and repeated calls per episode; each seed, then the mean ± std
 over seeds, and the change from the warmed-up policy to RL. The baselines are one search with the
-question as typed (BM25, dense, their fusion), its top 10 as the ranking. Then each run's minutes and
+question as typed (BM25, dense, their fusion), its top 10 as the ranking; each seed's policy after RL is
+also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
+the mean difference), since a mean over 25-30 queries can hide one query's luck. Then each run's minutes and
 peak resident memory. Extra ``--config.*`` arguments go to every run.
 
 ``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
@@ -54,6 +56,28 @@ def stage_metrics(path: pathlib.Path) -> dict:
         )
         by_collection.setdefault(t.task_type, []).append(t)
     return {name: summarize(ts, by_type=False) for name, ts in sorted(by_collection.items())}
+
+
+def task_scores(path: pathlib.Path) -> dict:
+    """``{task_id: nDCG@10 (failures 0)}`` of an evaluation's trajectory file (one greedy episode a task)."""
+    from mtrl_jax.metrics import trajectory_score
+
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["task_id"]: trajectory_score(types.SimpleNamespace(status=r["status"], reward=r["reward"])) for r in rows}
+
+
+def paired(agent: dict, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:
+    """The agent against a baseline query by query (``{task_id: nDCG@10}`` each, the same tasks): wins,
+    losses and ties, and a paired bootstrap 95% interval of the mean difference over the queries."""
+    if set(agent) != set(baseline):
+        raise ValueError(f"the agent's and the baseline's queries differ: {sorted(set(agent) ^ set(baseline))[:5]}")
+    d = np.array([agent[t] - baseline[t] for t in sorted(agent)])
+    means = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return (
+        f"{int((d > 1e-9).sum())} wins, {int((d < -1e-9).sum())} losses, {int((abs(d) <= 1e-9).sum())} ties, "
+        f"bootstrap 95% interval {lo:+.3f} to {hi:+.3f}"
+    )
 
 
 def cell(m: dict) -> str:
@@ -108,15 +132,22 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
             for s in seeds
             if {"after RL", "warmed up"} <= set(stages[s])
         ]
-        best = max(base["bm25"], base["dense"], base["fusion"])
+        best_tool = max(("bm25", "dense", "fusion"), key=lambda tool: base[tool])
+        best = base[best_tool]
         if gains:
             after = [stages[s]["after RL"][name]["ndcg@10"] for s in seeds if "after RL" in stages[s]]
             print(
                 f"\nRL over the warmed-up policy: {mean_std(gains)} nDCG@10 (>= +0.03: {np.mean(gains) >= 0.03}), "
                 f"failure rate {np.mean(fails):+.3f} (not higher: {np.mean(fails) <= 0}); warmed up / BM25: "
                 f"{np.mean(warm) / max(base['bm25'], 1e-9):.2f} (>= 0.8: {np.mean(warm) >= 0.8 * base['bm25']}); "
-                f"after RL vs the best one search ({best:.3f}): {np.mean(after) - best:+.3f}"
+                f"after RL vs the best one search ({best_tool} {best:.3f}): {np.mean(after) - best:+.3f}"
             )
+            for seed in seeds:
+                path = out / f"seed_{seed}" / "trajectories" / "eval_after.jsonl"
+                if path.exists():
+                    mine = {t: v for t, v in task_scores(path).items() if t.split("/", 1)[0] == name}
+                    against = paired(mine, base["by_task"][best_tool])
+                    print(f"after RL vs {best_tool}, query by query, seed {seed}: {against}")
     print("\n| seed | minutes | peak resident GiB | RL steps |\n|---|---|---|---|")
     for seed, s in summaries.items():
         print(

@@ -146,15 +146,20 @@ def run_evaluation(
 
 
 def single_search_baselines(config, tools: Sequence[str] = ("bm25", "dense", "fusion")) -> dict:
-    """``{collection: {"queries": n, tool: nDCG@10}}``: one search with the question as typed, its top 10 as the
-    ranking, on the held-out queries of ``config``'s collections (the very queries its evaluations use),
-    with its search settings (``evaluate_retrieval``; ``fusion``: reciprocal-rank fusion of the other two)."""
+    """``{collection: {"queries": n, tool: nDCG@10, "by_task": {tool: {task_id: nDCG@10}}}}``: one search with
+    the question as typed, its top 10 as the ranking, on the held-out queries of ``config``'s collections (the
+    very queries its evaluations use), with its search settings (``evaluate_retrieval``; ``fusion``:
+    reciprocal-rank fusion of the other two)."""
     collections, _, val_tasks = build_data(config)
     out = {}
     for name, collection in collections.items():
         tasks = [t for t in val_tasks if t.corpus == name]
         results = evaluate_retrieval(dataclasses.replace(collection, tasks=tasks), tools, search_settings(config))
-        out[name] = {"queries": len(tasks), **{tool: r["ndcg@10"] for tool, r in results.items()}}
+        out[name] = {
+            "queries": len(tasks),
+            **{tool: r["ndcg@10"] for tool, r in results.items()},
+            "by_task": {tool: r["ndcg@10_by_task"] for tool, r in results.items()},
+        }
     return out
 
 

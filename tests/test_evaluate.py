@@ -238,6 +238,9 @@ def test_search_headroom_scores_the_agents_moves_as_the_baselines_do(shared_data
     baselines = single_search_baselines(config)["cranfield"]
     assert held_out["queries"] == baselines["queries"] == 25
     assert abs(held_out["bm25"] - baselines["bm25"]) < 1e-9 and abs(held_out["dense"] - baselines["dense"]) < 1e-9
+    for tool in ("bm25", "dense", "fusion"):  # the per-query scores the bench sets the agent against
+        by_task = baselines["by_task"][tool]
+        assert len(by_task) == 25 and abs(np.mean(list(by_task.values())) - baselines[tool]) < 1e-9
     _, train_tasks, _ = build_data(config)
     assert train["queries"] == len({t.task_id for t in train_tasks if t.qrels})
     for m in (held_out, train):

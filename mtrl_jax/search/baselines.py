@@ -19,7 +19,8 @@ def evaluate_retrieval(
     depth: int = 100,
     group_of: Optional[Callable] = None,
 ) -> dict:
-    """``{tool: {"ndcg@10", "recall@100", "queries", "by_type"?: {...}}}``; with ``group_of(task)``
+    """``{tool: {"ndcg@10", "recall@100", "queries", "rankings", "ndcg@10_by_task", "by_type"?: {...}}}``
+    (``rankings`` and ``ndcg@10_by_task`` keyed by task id); with ``group_of(task)``
     the metrics are also broken down by group (e.g. the synthetic query type)."""
     results = {}
     retrievers = {}
@@ -53,4 +54,5 @@ def evaluate_retrieval(
                 for g, (n, r) in sorted(per_group.items())
             }
         results[tool]["rankings"] = {t.task_id: ranking for t, ranking in zip(collection.tasks, rankings)}
+        results[tool]["ndcg@10_by_task"] = {t.task_id: n for t, n in zip(collection.tasks, ndcgs)}
     return results

@@ -1,0 +1,32 @@
+"""benchmarks/bench_real_learning.py: the agent against the best one search, query by query."""
+
+import json
+
+import numpy as np
+import pytest
+
+import benchmarks.bench_real_learning as bench
+
+
+def test_task_scores_count_a_failure_as_zero(tmp_path):
+    path = tmp_path / "eval_after.jsonl"
+    rows = [
+        {"task_id": "scifact/1", "status": "ok", "reward": 0.5},
+        {"task_id": "scifact/2", "status": "max_turns", "reward": -1.0},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.task_scores(path) == {"scifact/1": 0.5, "scifact/2": 0.0}
+
+
+def test_paired_counts_wins_losses_and_ties_and_brackets_the_mean_difference():
+    agent = {"a": 1.0, "b": 0.2, "c": 0.5, "d": 0.5}
+    baseline = {"a": 0.4, "b": 0.3, "c": 0.5, "d": 0.5}
+    line = bench.paired(agent, baseline)
+    assert line.startswith("1 wins, 1 losses, 2 ties, bootstrap 95% interval ")
+    lo, hi = (float(x) for x in line.rsplit("interval ", 1)[1].split(" to "))
+    mean = np.mean([agent[t] - baseline[t] for t in agent])  # +0.125
+    assert -0.1 <= lo < mean < hi <= 0.6
+    same = bench.paired({"a": 0.3, "b": 0.7}, {"a": 0.1, "b": 0.5})  # every difference +0.2
+    assert same.endswith("interval +0.200 to +0.200")
+    with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
+        bench.paired({"a": 1.0, "c": 0.0}, {"a": 1.0})
