@@ -9,6 +9,11 @@ one vector search 0.623, both searches with the question, fused by the empty ans
 other on the question again, 5 results each (10 each overflow the 1,024-token context), and gives the
 empty answer. The recipe's teacher draws all of these at random instead; this one leaves RL only what it
 samples itself. The held-out queries are the mixture recipe's 30 SciFact ones (the same split).
+
+Measured, seed 0 at 6a1f02d (docs/real_models.md): warmed up 0.772, after 40 RL steps 0.772 (failures 0,
+one call of each tool on every query) against the best one search's 0.748 (fusion): +0.024, all of it the
+cold start's; query by query 3 wins, 4 losses and 23 ties (bootstrap 95% interval -0.016 to +0.076).
+91.9 minutes, peak 6.37 GiB.
 """
 
 from configs import real_cpu
