@@ -62,8 +62,13 @@ def task_scores(path: pathlib.Path) -> dict:
     """``{task_id: nDCG@10 (failures 0)}`` of an evaluation's trajectory file (one greedy episode a task)."""
     from mtrl_jax.metrics import trajectory_score
 
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["task_id"]: trajectory_score(types.SimpleNamespace(status=r["status"], reward=r["reward"])) for r in rows}
+    scores: dict = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        r = json.loads(line)
+        if r["task_id"] in scores:
+            raise ValueError(f"{path}:{number}: a second episode of {r['task_id']} (one episode a task expected)")
+        scores[r["task_id"]] = trajectory_score(types.SimpleNamespace(status=r["status"], reward=r["reward"]))
+    return scores
 
 
 def paired(agent: dict, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:

@@ -16,6 +16,9 @@ def test_task_scores_count_a_failure_as_zero(tmp_path):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.task_scores(path) == {"scifact/1": 0.5, "scifact/2": 0.0}
+    path.write_text(path.read_text() + json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match="eval_after.jsonl:3: a second episode of scifact/1"):
+        bench.task_scores(path)
 
 
 def test_paired_counts_wins_losses_and_ties_and_brackets_the_mean_difference():
