@@ -4,8 +4,8 @@ with a cold start whose teacher always demonstrates the move SciFact's training 
     python -m benchmarks.bench_real_learning --config=configs/real_cpu_scifact.py --seeds 0
 
 `tools.search_headroom` on SciFact's 140 training queries (no held-out judgment): one BM25 search 0.653,
-one vector search 0.623, both searches with the question, fused by the empty answer's fallback, 0.680
-(5 results each: also 0.680). So this teacher searches with one tool (drawn at random), then with the
+one vector search 0.623, both searches with the question (10 results each), fused by the empty answer's
+fallback, 0.680; the tool does not score 5 each. So this teacher searches with one tool (drawn at random), then with the
 other on the question again, 5 results each (10 each overflow the 1,024-token context), and gives the
 empty answer. The recipe's teacher draws all of these at random instead; this one leaves RL only what it
 samples itself. The held-out queries are the mixture recipe's 30 SciFact ones (the same split).
