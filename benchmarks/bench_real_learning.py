@@ -40,20 +40,31 @@ from benchmarks.common import REPO, machine_line, ratio, run_seeds, worktree
 STAGES = (("base", "base"), ("warmed up", "before"), ("after RL", "after"))
 
 
+def episodes(path: pathlib.Path) -> list:
+    """An evaluation's trajectory file as episodes: ``task_id``, ``task_type`` (the collection, the task id's
+    prefix), ``status``, ``reward``, ``turns``, ``counters``."""
+    out = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        out.append(
+            types.SimpleNamespace(
+                task_id=r["task_id"],
+                task_type=r["task_id"].split("/", 1)[0],
+                status=r["status"],
+                reward=r["reward"],
+                turns=r["turns"],
+                counters=r["counters"],
+            )
+        )
+    return out
+
+
 def stage_metrics(path: pathlib.Path) -> dict:
-    """``{collection: summarize(...)}`` of an evaluation's trajectory file (collection = the task id's prefix)."""
+    """``{collection: summarize(...)}`` of an evaluation's trajectory file."""
     from mtrl_jax.metrics import summarize
 
     by_collection: dict = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        t = types.SimpleNamespace(
-            status=r["status"],
-            reward=r["reward"],
-            turns=r["turns"],
-            counters=r["counters"],
-            task_type=r["task_id"].split("/", 1)[0],
-        )
+    for t in episodes(path):
         by_collection.setdefault(t.task_type, []).append(t)
     return {name: summarize(ts, by_type=False) for name, ts in sorted(by_collection.items())}
 
@@ -63,11 +74,10 @@ def task_scores(path: pathlib.Path) -> dict:
     from mtrl_jax.metrics import trajectory_score
 
     scores: dict = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        r = json.loads(line)
-        if r["task_id"] in scores:
-            raise ValueError(f"{path}:{number}: a second episode of {r['task_id']} (one episode a task expected)")
-        scores[r["task_id"]] = trajectory_score(types.SimpleNamespace(status=r["status"], reward=r["reward"]))
+    for number, t in enumerate(episodes(path), start=1):
+        if t.task_id in scores:
+            raise ValueError(f"{path}:{number}: a second episode of {t.task_id} (one episode a task expected)")
+        scores[t.task_id] = trajectory_score(t)
     return scores
 
 

@@ -11,8 +11,8 @@ import benchmarks.bench_real_learning as bench
 def test_task_scores_count_a_failure_as_zero(tmp_path):
     path = tmp_path / "eval_after.jsonl"
     rows = [
-        {"task_id": "scifact/1", "status": "ok", "reward": 0.5},
-        {"task_id": "scifact/2", "status": "max_turns", "reward": -1.0},
+        {"task_id": "scifact/1", "status": "ok", "reward": 0.5, "turns": [], "counters": {}},
+        {"task_id": "scifact/2", "status": "max_turns", "reward": -1.0, "turns": [], "counters": {}},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.task_scores(path) == {"scifact/1": 0.5, "scifact/2": 0.0}
