@@ -117,6 +117,8 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
         }
         for seed in seeds
     }
+    after_paths = {seed: out / f"seed_{seed}" / "trajectories" / "eval_after.jsonl" for seed in seeds}
+    after_scores = {seed: task_scores(path) for seed, path in after_paths.items() if path.exists()}
     header = "| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |"
     for name, base in baselines.items():
         print(f"\n### {name} ({base['queries']} held-out queries)\n")
@@ -157,12 +159,10 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
                 f"{np.mean(warm) / max(base['bm25'], 1e-9):.2f} (>= 0.8: {np.mean(warm) >= 0.8 * base['bm25']}); "
                 f"after RL vs the best one search ({best_tool} {best:.3f}): {np.mean(after) - best:+.3f}"
             )
-            for seed in seeds:
-                path = out / f"seed_{seed}" / "trajectories" / "eval_after.jsonl"
-                if path.exists():
-                    mine = {t: v for t, v in task_scores(path).items() if t.split("/", 1)[0] == name}
-                    against = paired(mine, base["by_task"][best_tool])
-                    print(f"after RL vs {best_tool}, query by query, seed {seed}: {against}")
+            for seed, scores in after_scores.items():
+                mine = {t: v for t, v in scores.items() if t.split("/", 1)[0] == name}
+                against = paired(mine, base["by_task"][best_tool])
+                print(f"after RL vs {best_tool}, query by query, seed {seed}: {against}")
     print("\n| seed | minutes | peak resident GiB | RL steps |\n|---|---|---|---|")
     for seed, s in summaries.items():
         print(
