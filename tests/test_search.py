@@ -16,6 +16,7 @@ from mtrl_jax.chat import (
     ChatFormat,
     parse_answer,
     parse_tool_calls,
+    render_tool_call,
     train_tokenizer,
 )
 from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolOutput, run_scripted
@@ -330,6 +331,15 @@ def test_tool_call_and_answer_parsing():
     assert parse_answer("<answer>d1, d2 d3</answer>") == ["d1", "d2", "d3"]
     assert parse_answer('<answer>["d1", "d2"]</answer>') == ["d1", "d2"]
     assert parse_answer("no answer here") is None
+
+
+def test_a_teacher_call_copies_the_questions_characters():
+    """The teacher's call writes a question's non-ASCII characters as they are (what the templates' ``tojson``
+    does), so the model learns to copy the tokens it read, not to spell out JSON escapes; it parses back."""
+    question = "Mice without IFN-γ are resistant to EAM induced with α-MyHC/CFA."
+    text = render_tool_call("bm25_search", {"query": question, "top_k": 5})
+    assert question in text and "\\u" not in text
+    assert parse_tool_calls(text)[0].arguments == {"query": question, "top_k": 5}
 
 
 def test_bare_json_calls_are_read_as_calls():
