@@ -12,8 +12,8 @@ rate by reason, mean turns, tool calls and repeated calls per episode; each seed
 over seeds, and the change from the warmed-up policy to RL. The baselines are one search with the
 question as typed (BM25, dense, their fusion), its top 10 as the ranking; each seed's policy after RL is
 also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
-the mean difference), since a mean over 25-30 queries can hide one query's luck. Then each run's minutes and
-peak resident memory. Extra ``--config.*`` arguments go to every run.
+the mean difference; for several seeds also of their mean), since a mean over 25-30 queries can hide one
+query's luck. Then each run's minutes and peak resident memory. Extra ``--config.*`` arguments go to every run.
 
 ``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
 each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its held-out queries cut to
@@ -81,12 +81,16 @@ def task_scores(path: pathlib.Path) -> dict:
     return scores
 
 
-def paired(agent: dict, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:
+def paired(agent, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:
     """The agent against a baseline query by query (``{task_id: nDCG@10}`` each, the same tasks): wins,
-    losses and ties, and a paired bootstrap 95% interval of the mean difference over the queries."""
-    if set(agent) != set(baseline):
-        raise ValueError(f"the agent's and the baseline's queries differ: {sorted(set(agent) ^ set(baseline))[:5]}")
-    d = np.array([agent[t] - baseline[t] for t in sorted(agent)])
+    losses and ties, and a paired bootstrap 95% interval of the mean difference over the queries. ``agent``
+    may be a list of such dicts (one per seed): each query's difference is then the seeds' mean, so the
+    interval is that of the mean over seeds, with the queries resampled."""
+    agents = [agent] if isinstance(agent, dict) else list(agent)
+    for one in agents:
+        if set(one) != set(baseline):
+            raise ValueError(f"the agent's and the baseline's queries differ: {sorted(set(one) ^ set(baseline))[:5]}")
+    d = np.array([np.mean([one[t] for one in agents]) - baseline[t] for t in sorted(baseline)])
     means = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return (
@@ -159,10 +163,16 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
                 f"{np.mean(warm) / max(base['bm25'], 1e-9):.2f} (>= 0.8: {np.mean(warm) >= 0.8 * base['bm25']}); "
                 f"after RL vs the best one search ({best_tool} {best:.3f}): {np.mean(after) - best:+.3f}"
             )
-            for seed, scores in after_scores.items():
-                mine = {t: v for t, v in scores.items() if t.split("/", 1)[0] == name}
-                against = paired(mine, base["by_task"][best_tool])
+            mine = {
+                seed: {t: v for t, v in scores.items() if t.split("/", 1)[0] == name}
+                for seed, scores in after_scores.items()
+            }
+            for seed, scores in mine.items():
+                against = paired(scores, base["by_task"][best_tool])
                 print(f"after RL vs {best_tool}, query by query, seed {seed}: {against}")
+            if len(mine) > 1:
+                against = paired(list(mine.values()), base["by_task"][best_tool])
+                print(f"after RL vs {best_tool}, query by query, the mean of seeds {sorted(mine)}: {against}")
     print("\n| seed | minutes | peak resident GiB | RL steps |\n|---|---|---|---|")
     for seed, s in summaries.items():
         print(

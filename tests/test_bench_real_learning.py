@@ -33,3 +33,16 @@ def test_paired_counts_wins_losses_and_ties_and_brackets_the_mean_difference():
     assert same.endswith("interval +0.200 to +0.200")
     with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
         bench.paired({"a": 1.0, "c": 0.0}, {"a": 1.0})
+
+
+def test_paired_over_seeds_compares_each_querys_mean_over_the_seeds():
+    seeds = [{"a": 1.0, "b": 0.0, "c": 0.5}, {"a": 0.0, "b": 0.0, "c": 0.5}, {"a": 1.0, "b": 0.6, "c": 0.5}]
+    baseline = {"a": 0.5, "b": 0.2, "c": 0.5}
+    # per-query means 2/3, 0.2, 0.5: a win, a tie and a tie, whatever each seed did alone
+    line = bench.paired(seeds, baseline)
+    assert line.startswith("1 wins, 0 losses, 2 ties, bootstrap 95% interval ")
+    lo, hi = (float(x) for x in line.rsplit("interval ", 1)[1].split(" to "))
+    assert lo == 0.0 and abs(hi - 1 / 6) < 1e-3  # resampled queries: the mean is between 0 and (2/3 - 1/2)
+    assert bench.paired([seeds[0]], baseline) == bench.paired(seeds[0], baseline)
+    with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
+        bench.paired([seeds[0], {"a": 1.0, "b": 0.0}], baseline)
