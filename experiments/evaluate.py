@@ -1,7 +1,8 @@
 """Evaluate: ``python -m experiments.evaluate --config=configs/default.py --checkpoint=workdirs/default --out=DIR``.
 
 Without ``--checkpoint`` the base policy is evaluated (the untrained tiny model, or the HF
-checkpoint of a real config). ``--samples=k`` draws k samples per query (at the rollout
+checkpoint of a real config); with ``--stage=warmup`` the run's finished warm-up, the policy RL
+started from. ``--samples=k`` draws k samples per query (at the rollout
 temperature) for pass@k and max@k; ``--compare=OTHER_OUT`` adds a base -> fine-tuned table.
 """
 
@@ -28,6 +29,12 @@ _OUT = flags.DEFINE_string("out", "workdirs/eval", "where eval.json, eval.md and
 _SAMPLES = flags.DEFINE_integer("samples", 1, "samples per query (k of pass@k and max@k)")
 _TAU = flags.DEFINE_float("tau", 0.5, "nDCG@10 threshold of a success for pass@k")
 _COMPARE = flags.DEFINE_string("compare", None, "another evaluation output directory to compare against")
+_STAGE = flags.DEFINE_enum(
+    "stage",
+    "rl",
+    ["rl", "warmup"],
+    "with --checkpoint: RL's latest checkpoint, or the finished warm-up RL started from",
+)
 
 
 def main(argv):
@@ -35,7 +42,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
-    run_evaluation(_CONFIG.value, _OUT.value, _CHECKPOINT.value, _SAMPLES.value, _TAU.value, _COMPARE.value)
+    run_evaluation(
+        _CONFIG.value, _OUT.value, _CHECKPOINT.value, _SAMPLES.value, _TAU.value, _COMPARE.value, _STAGE.value
+    )
     from pathlib import Path
 
     print((Path(_OUT.value) / "eval.md").read_text())

@@ -25,7 +25,9 @@ from mtrl_jax.rollout.staleness import PublishedParams
 from mtrl_jax.search.metrics import write_trec_run
 from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.setup import build, build_data, search_settings
-from mtrl_jax.warmup import use_warmed_base
+from mtrl_jax.warmup import use_warmed_base, warmed_up_policy
+
+STAGES = ("rl", "warmup")  # what trained_policy loads: RL's latest checkpoint, or the finished warm-up
 
 
 def markdown_table(results: dict, k: int | None = None) -> str:
@@ -97,14 +99,21 @@ def evaluate_policy(
 
 
 def run_evaluation(
-    config, out_dir, checkpoint: Optional[str] = None, samples: int = 1, tau: float = 0.5, compare: Optional[str] = None
+    config,
+    out_dir,
+    checkpoint: Optional[str] = None,
+    samples: int = 1,
+    tau: float = 0.5,
+    compare: Optional[str] = None,
+    stage: str = "rl",
 ) -> dict:
-    """Evaluate a trained work directory (``checkpoint``: its latest checkpoint) or the base policy on
-    the held-out tasks of every dataset of ``config``; writes ``eval.json``, ``eval.md``, one TREC run
-    file per dataset (first sample) and, with ``compare``, ``compare.md``."""
+    """Evaluate a trained work directory (``checkpoint``: its latest checkpoint, or with ``stage="warmup"``
+    its finished warm-up) or the base policy on the held-out tasks of every dataset of ``config``; writes
+    ``eval.json``, ``eval.md``, one TREC run file per dataset (first sample) and, with ``compare``,
+    ``compare.md``."""
     out = pathlib.Path(out_dir)
     if checkpoint is not None:
-        components, params = trained_policy(config, checkpoint)
+        components, params = trained_policy(config, checkpoint, stage)
     else:
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
         params = components.updater.full(components.params)
@@ -163,14 +172,22 @@ def single_search_baselines(config, tools: Sequence[str] = ("bm25", "dense", "fu
     return out
 
 
-def trained_policy(config, workdir):
-    """``(components, every parameter of workdir's latest checkpoint)``: the trained policy, adapters included."""
+def trained_policy(config, workdir, stage: str = "rl"):
+    """``(components, every parameter of the policy)``: with ``stage="rl"`` workdir's latest checkpoint (the
+    trained policy, adapters included), with ``stage="warmup"`` its finished warm-up (the policy RL started
+    from, whatever checkpoints RL has kept since)."""
     workdir = pathlib.Path(workdir)
-    if not (workdir / "checkpoints").is_dir():
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: one of {STAGES}")
+    if stage == "rl" and not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
+    if stage == "warmup" and not (workdir / "warmup").is_dir():
+        raise FileNotFoundError(f"{workdir}: no warm-up was saved here (no {workdir / 'warmup'})")
     components = build(config, workdir, train_tokenizer_if_missing=False)
     checkpoints = Checkpoints(workdir)
     try:
+        if stage == "warmup":
+            return components, components.updater.full(warmed_up_policy(components, checkpoints))
         use_warmed_base(components, checkpoints)  # warmup.train_base: adapters over the warmed-up base
     finally:
         checkpoints.close()

@@ -791,15 +791,36 @@ def use_warmed_base(components, checkpoints) -> None:
 def restore_warmed_base(components, checkpoints):
     """The warmed-up base that RL's adapters train over (``warmup.train_base``), from the work directory's
     warm-up checkpoint: a run that resumes RL, or a trained policy loaded for evaluation or export."""
+    return restore_finished_warmup(
+        components,
+        checkpoints,
+        "warmup.train_base=True, and the RL adapters train over the base the warm-up trained, but its",
+    )
+
+
+def warmed_up_policy(components, checkpoints):
+    """RL's trainable parameters as the finished warm-up left them (with ``warmup.train_base``, the fresh
+    adapters, and the updater's frozen base becomes the warmed-up one): the policy RL started from."""
+    if components.warmup is None:
+        raise ValueError("the config has no warm-up (warmup.steps=0), so a run of it has no warmed-up policy")
+    warmed = restore_finished_warmup(components, checkpoints, "the warmed-up policy was asked for, but the")
+    if components.warmup.train_base:
+        components.updater.frozen = warmed
+        return components.params
+    return warmed
+
+
+def restore_finished_warmup(components, checkpoints, why: str):
+    """What the work directory's finished warm-up trained (``warmed_parameters``); a ``CheckpointError`` that
+    names the directory (``why`` opens its reason) when the warm-up checkpoint is missing or unfinished."""
     cfg = components.warmup
-    base = components.updater.frozen
-    like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, base)
-    saved = checkpoints.restore_warmup(base, like_opt)
+    like = warmed_parameters(components, components.params)
+    like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, like)
+    saved = checkpoints.restore_warmup(like, like_opt)
     if saved is None or saved[2]["step"] < cfg.steps:
         found = "none" if saved is None else f"step {saved[2]['step']} of {cfg.steps}"
         raise CheckpointError(
-            f"{checkpoints.warmup_path}: warmup.train_base=True, and the RL adapters train over the base the warm-up "
-            f"trained, but its finished warm-up checkpoint is missing (found: {found}); restore that directory or "
-            "start over in a new workdir"
+            f"{checkpoints.warmup_path}: {why} finished warm-up checkpoint is missing (found: {found}); restore "
+            "that directory or start over in a new workdir"
         )
     return saved[0]

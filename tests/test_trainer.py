@@ -326,6 +326,10 @@ def test_task_schedule_cursor_resumes_where_it_stopped():
 def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     """SIGTERM during the warm-up writes its progress (no checkpoint yet), and the next run continues
     it; SIGTERM during RL writes a checkpoint of the step reached."""
+    from experiments.sweep import load_config
+    from mtrl_jax.checkpoint import CheckpointError
+    from mtrl_jax.evaluate import trained_policy
+
     args = [
         "--config.warmup.steps=100",
         "--config.warmup.batch_size=4",
@@ -342,6 +346,9 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     saved = json.loads((tmp_path / "warmup/progress.json").read_text())
     assert 50 <= saved["step"] < 100 and len(saved["losses"]) == saved["step"]
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    config = load_config("configs/default.py", [*SMALL, *args])
+    with pytest.raises(CheckpointError, match=f"warmup: the warmed-up policy .*found: step {saved['step']} of 100"):
+        trained_policy(config, tmp_path, stage="warmup")  # an unfinished warm-up is no policy to evaluate
 
     proc = _run(tmp_path, *args, wait=False)  # the warm-up continues, then RL starts and is stopped
     _wait_for_checkpoint(tmp_path, 0, proc)  # the pre-RL checkpoint
@@ -358,6 +365,14 @@ def test_sigterm_saves_the_warmup_then_a_checkpoint_and_each_resumes(tmp_path):
     assert steps[-1] >= 1
     _, meta = _final_state(tmp_path, steps[-1])
     assert meta["rl_step"] == steps[-1]
+    # the finished warm-up, the policy RL started from, loads for evaluation whatever RL has saved since
+    _, warm = trained_policy(config, tmp_path, stage="warmup")
+    state = ocp.StandardCheckpointer().restore((tmp_path / "warmup/state").absolute())["params"]
+    leaves = jax.tree_util.tree_leaves
+    for got, want in zip(leaves(warm), leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(FileNotFoundError, match="no warm-up was saved here"):
+        trained_policy(config, tmp_path / "checkpoints", stage="warmup")
 
 
 @background("greedy")
@@ -543,12 +558,18 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
     config = load_config("configs/default.py", [*SMALL, *run, "--config.max_steps=2"])
     c, trained = trained_policy(config, tmp_path / "run")
     initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).updater.frozen
+    _, warm = trained_policy(config, tmp_path / "run", stage="warmup")  # the warmed-up base, fresh adapters
+    warm_base, warm_adapters = lora.split(warm)
     warmed = ocp.StandardCheckpointer().restore((tmp_path / "run/warmup/state").absolute())["params"]
     base, adapters = lora.split(trained)
     leaves = jax.tree_util.tree_leaves
     assert jax.tree.structure(base) == jax.tree.structure(warmed) == jax.tree.structure(initial)
-    for got, want in zip(leaves(base), leaves(warmed)):  # the policy's base is the warmed-up one ...
+    # the policy's base is the warmed-up one, after RL and as RL started ...
+    for got, want, at_start in zip(leaves(base), leaves(warmed), leaves(warm_base)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(at_start), np.asarray(want))
+    fresh = [x for path, x in jax.tree_util.tree_flatten_with_path(warm_adapters)[0] if "lora_b" in str(path[-1])]
+    assert fresh and all(not np.asarray(b).any() for b in fresh)  # RL's adapters as they started: B zero
     assert any(not np.array_equal(a, b) for a, b in zip(leaves(initial), leaves(warmed)))  # ... which trained
     # the RL checkpoints hold the adapters alone, and they trained (B off zero)
     assert jax.tree.structure(restore_params(tmp_path / "run", c)) == jax.tree.structure(adapters)
