@@ -14,6 +14,8 @@ question as typed (BM25, dense, their fusion), its top 10 as the ranking; each s
 also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
 the mean difference; for several seeds also of their mean), since a mean over 25-30 queries can hide one
 query's luck. Then each run's minutes and peak resident memory. Extra ``--config.*`` arguments go to every run.
+``--samples k`` also evaluates each seed's finished warm-up and RL policy with k samples a held-out query at
+the rollout temperature (the policy RL trains, where the table above decodes greedily), with RL's change.
 
 ``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
 each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its held-out queries cut to
@@ -112,6 +114,50 @@ def mean_std(values) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
 
 
+def print_rows(label: str, rows: list) -> None:
+    """A stage's table rows, ``rows`` ``[(seed, summarize(...))]``: one a seed, then their mean ± std."""
+    for seed, m in rows:
+        print(f"| {label} | {seed} | {cell(m)} |")
+    if len(rows) > 1:
+        print(
+            f"| {label} | mean ± std | {mean_std([m['ndcg@10'] for _, m in rows])} | "
+            f"{mean_std([m['failure_rate'] for _, m in rows])} | "
+            f"{mean_std([m['mean_turns'] for _, m in rows])} | |"
+        )
+
+
+def sampled_evaluations(config: str, seeds: list[int], out: pathlib.Path, overrides: list[str], k: int) -> dict:
+    """``{seed: {stage: {collection: summarize(...)}}}``: each seed's finished warm-up and RL policy evaluated
+    with ``k`` samples a held-out query at the rollout temperature (``experiments.evaluate --stage``), in
+    ``<out>/seed_<s>/sampled_<stage>_k<k>`` (an evaluation already written is read, not rerun)."""
+    found: dict = {}
+    for seed in seeds:
+        for stage in ("warmup", "rl"):
+            where = out / f"seed_{seed}" / f"sampled_{stage}_k{k}"
+            if not (where / "eval.json").exists():
+                cmd = [sys.executable, "-m", "experiments.evaluate", f"--config={config}"]
+                cmd += [f"--checkpoint={out / f'seed_{seed}'}", f"--stage={stage}", f"--samples={k}", f"--out={where}"]
+                print(f"[seed {seed}] {' '.join(cmd[1:])}", flush=True)
+                done = subprocess.run([*cmd, f"--config.seed={seed}", *overrides], cwd=REPO)
+                if done.returncode:
+                    raise SystemExit(f"[seed {seed}] the sampled evaluation of {stage} failed ({done.returncode})")
+            found.setdefault(seed, {})[stage] = json.loads((where / "eval.json").read_text())
+    return found
+
+
+def report_sampled(found: dict, k: int) -> None:
+    """The warmed-up and RL policies as RL samples them, per collection: the rows, and RL's change."""
+    names = sorted({name for stages in found.values() for results in stages.values() for name in results})
+    for name in names:
+        print(f"\n### {name}, sampled: {k} samples a held-out query at the rollout temperature\n")
+        print("| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |")
+        print("|---|---|---|---|---|---|")
+        for label, stage in (("warmed up", "warmup"), ("after RL", "rl")):
+            print_rows(label, [(seed, stages[stage][name]) for seed, stages in found.items()])
+        gains = [stages["rl"][name]["ndcg@10"] - stages["warmup"][name]["ndcg@10"] for stages in found.values()]
+        print(f"\nRL over the warmed-up policy, sampled: {mean_std(gains)} nDCG@10")
+
+
 def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict) -> None:
     stages = {
         seed: {
@@ -134,14 +180,7 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
                 for seed in seeds
                 if label in stages[seed] and name in stages[seed][label]
             ]
-            for seed, m in rows:
-                print(f"| {label} | {seed} | {cell(m)} |")
-            if len(rows) > 1:
-                print(
-                    f"| {label} | mean ± std | {mean_std([m['ndcg@10'] for _, m in rows])} | "
-                    f"{mean_std([m['failure_rate'] for _, m in rows])} | "
-                    f"{mean_std([m['mean_turns'] for _, m in rows])} | |"
-                )
+            print_rows(label, rows)
         gains = [
             stages[s]["after RL"][name]["ndcg@10"] - stages[s]["warmed up"][name]["ndcg@10"]
             for s in seeds
@@ -237,6 +276,9 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="configs/real_cpu.py")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "workdirs" / "bench_real_learning")
+    parser.add_argument(
+        "--samples", type=int, default=0, help="also evaluate each seed's warm-up and RL policy with k samples a query"
+    )
     parser.add_argument("--step_baseline", default="", help="a git revision: time the RL step here and there instead")
     parser.add_argument("--step_collection", default="cranfield", help="with --step_baseline: the collection")
     parser.add_argument("--step_eval_tasks", type=int, default=4, help="with --step_baseline: held-out queries")
@@ -257,6 +299,8 @@ def main(argv=None) -> None:
     baselines = single_search_baselines(load_config(args.config, overrides))
     print(f"\n{args.config} {' '.join(overrides)}: seeds {seeds}")
     report(args.out, seeds, summaries, baselines)
+    if args.samples:
+        report_sampled(sampled_evaluations(args.config, seeds, args.out, overrides, args.samples), args.samples)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,29 @@ def test_paired_over_seeds_compares_each_querys_mean_over_the_seeds():
     assert bench.paired([seeds[0]], baseline) == bench.paired(seeds[0], baseline)
     with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
         bench.paired([seeds[0], {"a": 1.0, "b": 0.0}], baseline)
+
+
+def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_path, capsys):
+    def summary(ndcg, failures):
+        return {
+            "ndcg@10": ndcg,
+            "failure_rate": failures,
+            "failure_rate_by_reason": {"turn_token_limit": failures} if failures else {},
+            "mean_turns": 3.0,
+            "tool_calls_per_episode": {"bm25_search": 1.0},
+            "repeated_calls_per_episode": 0.0,
+        }
+
+    scores = {(0, "warmup"): 0.75, (0, "rl"): 0.70, (1, "warmup"): 0.74, (1, "rl"): 0.73}
+    for (seed, stage), ndcg in scores.items():  # written already: read back, no evaluation runs
+        where = tmp_path / f"seed_{seed}" / f"sampled_{stage}_k4"
+        where.mkdir(parents=True)
+        (where / "eval.json").write_text(json.dumps({"scifact": summary(ndcg, 0.25 if seed else 0.0)}))
+    found = bench.sampled_evaluations("configs/real_cpu_scifact.py", [0, 1], tmp_path, [], 4)
+    assert found[1]["rl"]["scifact"]["ndcg@10"] == 0.73
+    bench.report_sampled(found, 4)
+    out = capsys.readouterr().out
+    assert "### scifact, sampled: 4 samples a held-out query at the rollout temperature" in out
+    assert "| after RL | 1 | 0.730 | 0.25 (turn_token_limit 0.25) | 3.00 | bm25 1.00; repeated 0.00 |" in out
+    assert "| warmed up | mean ± std | 0.745 ± 0.005 |" in out
+    assert "RL over the warmed-up policy, sampled: -0.030 ± 0.020 nDCG@10" in out
