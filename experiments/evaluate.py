@@ -19,7 +19,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mtrl_jax.evaluate import run_evaluation
+from mtrl_jax.evaluate import STAGES, run_evaluation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "ml_collections config file", lock_config=True
@@ -32,7 +32,7 @@ _COMPARE = flags.DEFINE_string("compare", None, "another evaluation output direc
 _STAGE = flags.DEFINE_enum(
     "stage",
     "rl",
-    ["rl", "warmup"],
+    list(STAGES),
     "with --checkpoint: RL's latest checkpoint, or the finished warm-up RL started from",
 )
 
