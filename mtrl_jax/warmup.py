@@ -646,7 +646,8 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
     (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration); with
     ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the one
-    whose answer has fewest tokens, then the first drawn), so that the teacher's choices lean toward those
+    whose answer has fewest tokens, then the first drawn; a variant without judgments, such as an augmented
+    one, is then drawn once), so that the teacher's choices lean toward those
     that pay on each collection, and, for the same reward, toward the empty answer ranked by
     ``env.answer_fallback`` over ids listed (a small model's greedy id lists run on past the turn's
     limit). Only the answer is compared: counting every token would prefer fewer results asked for. A
@@ -681,7 +682,10 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
 
     for task in components.train_tasks:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
-            runs = [demonstration_run(driver, variant, teacher()) for _ in range(cfg.samples_per_task)]
+            # with keep_best, a variant without judgments (an augmented one) has nothing to choose its draws by:
+            # it is drawn once, so that each question and each rewrite weighs one demonstration
+            draws = cfg.samples_per_task if variant.qrels or not cfg.keep_best else 1
+            runs = [demonstration_run(driver, variant, teacher()) for _ in range(draws)]
             drawn += len(runs)
             kept = [run for run in runs if usable(run, bool(variant.qrels))]
             if cfg.keep_best and variant.qrels and kept:  # best of n: the highest reward, then the shortest answer
