@@ -623,7 +623,7 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
     judged = [run for run in drawn if "#aug" not in run.episode.task.task_id]
     rewritten = [run for run in drawn if "#aug" in run.episode.task.task_id]
     assert len(judged) == 4 * len(components.train_tasks)
-    assert [run.episode.task.task_id for run in rewritten] == [f"{task.task_id}#aug0" for task in components.train_tasks]
+    assert [run.episode.task.task_id for run in rewritten] == [f"{t.task_id}#aug0" for t in components.train_tasks]
     judged_kept = sum(any(map(usable, judged[i : i + 4])) for i in range(0, len(judged), 4))  # the best of each
     assert len(demos) == judged_kept + sum(map(usable, rewritten)) > 1.5 * len(components.train_tasks)
 
