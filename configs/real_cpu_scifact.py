@@ -15,10 +15,10 @@ Every loss of this agent against its best cold start was a broken copy of a held
 rare word, a loop on a repeated phrase), different on each seed; ``warmup.augment = 1`` adds, for each
 training question, a demonstration on a rewrite of it (words swapped for other questions' words) to copy.
 Measured (docs/real_models.md): seeds 0 / 1 / 2 at b48f75f with these settings, warmed up 0.772 each,
-after 20 RL steps of 8 queries 0.772 / 0.772 / SEED2 against the best one search's 0.748 (fusion); without
+after 20 RL steps of 8 queries 0.772 / 0.772 / 0.772 against the best one search's 0.748 (fusion); without
 the rewrites (309f82d / 8f75759) 0.739 each, the cold starts 0.739 / 0.739 / 0.772. With 40 steps of 4
-queries and no rewrites (6a1f02d / 98f5744, seeds 0 / 1): 0.772 / 0.675. About 40 minutes a seed, peak
-about 10.6 GiB (32 episodes generated at once).
+queries and no rewrites (6a1f02d / 98f5744, seeds 0 / 1): 0.772 / 0.675. 36.5-38.8 minutes a seed, peak
+9.85-11.17 GiB (32 episodes generated at once).
 """
 
 from configs import real_cpu
