@@ -130,9 +130,11 @@ def sampled_evaluations(config: str, seeds: list[int], out: pathlib.Path, overri
     """``{seed: {stage: {collection: summarize(...)}}}``: each seed's finished warm-up and RL policy evaluated
     with ``k`` samples a held-out query at the rollout temperature (``experiments.evaluate --stage``), in
     ``<out>/seed_<s>/sampled_<stage>_k<k>`` (an evaluation already written is read, not rerun)."""
+    from mtrl_jax.evaluate import STAGES
+
     found: dict = {}
     for seed in seeds:
-        for stage in ("warmup", "rl"):
+        for stage in STAGES:
             where = out / f"seed_{seed}" / f"sampled_{stage}_k{k}"
             if not (where / "eval.json").exists():
                 cmd = [sys.executable, "-m", "experiments.evaluate", f"--config={config}"]

@@ -684,11 +684,12 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             # with keep_best, a variant without judgments (an augmented one) has nothing to choose its draws by:
             # it is drawn once, so that each question and each rewrite weighs one demonstration
-            draws = cfg.samples_per_task if variant.qrels or not cfg.keep_best else 1
+            judged = bool(variant.qrels)
+            draws = cfg.samples_per_task if judged or not cfg.keep_best else 1
             runs = [demonstration_run(driver, variant, teacher()) for _ in range(draws)]
             drawn += len(runs)
-            kept = [run for run in runs if usable(run, bool(variant.qrels))]
-            if cfg.keep_best and variant.qrels and kept:  # best of n: the highest reward, then the shortest answer
+            kept = [run for run in runs if usable(run, judged)]
+            if cfg.keep_best and judged and kept:  # best of n: the highest reward, then the shortest answer
                 not_best += len(kept) - 1
                 kept = [max(kept, key=lambda run: (run.episode.reward, -last_turn(run.trajectory.loss_mask)))]
             demos.extend((run.trajectory.tokens, run.trajectory.loss_mask) for run in kept)
