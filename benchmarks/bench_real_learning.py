@@ -232,7 +232,7 @@ def against_baseline(args, overrides: list[str]) -> None:
     common = [
         f"--config.data.folders={data}",
         "--config.data.weights=",
-        "--config.data.validation_min=0",
+        "--config.data.dev_min=0",
         f"--config.data.max_eval_tasks={args.step_eval_tasks}",
         f"--config.max_steps={args.steps}",
         "--config.warmup.steps=0",

@@ -60,9 +60,18 @@ def get_config():
     c.data.synthetic_seed = 0
     c.data.folders = ""  # comma-separated BEIR folders, e.g. "../shared/data/scifact,../shared/data/cranfield"
     c.data.weights = ""  # comma-separated mixture weights (default: proportional to size)
-    c.data.validation_fraction = 0.05
-    c.data.validation_min = 0  # at least this many held-out tasks per dataset (all but one of a smaller one)
-    c.data.max_eval_tasks = 0  # 0: all validation tasks
+    # Three splits of each collection by a hash of the query id (mtrl_jax.data.collection.SplitSizes): dev
+    # takes max(round(dev_fraction * n), dev_min) tasks, test the next max(round(test_fraction * n), test_min)
+    # (at most half of what dev leaves), train the rest. Everything that chooses (evaluations during and after
+    # RL, early stopping, rejection sampling, baselines, tools.search_headroom) reads train or dev; test is
+    # read only by `python -m experiments.evaluate --split=test --checkpoint=WORKDIR`, which appends to
+    # WORKDIR/test_evaluations.jsonl. The synthetic collection's 900 queries: dev 200 (the 45 held out
+    # before the test split existed among them), test 200, train 500.
+    c.data.dev_fraction = 0.05
+    c.data.dev_min = 200
+    c.data.test_fraction = 0.05
+    c.data.test_min = 200
+    c.data.max_eval_tasks = 0  # 0: all dev tasks
     # the first this many of each collection's validation tasks are evaluated (0: all); the split is unchanged
     c.data.max_eval_per_collection = 0
     # the first this many of each collection's training tasks are the warm-up's and RL's (0: all); a quick

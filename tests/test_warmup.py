@@ -718,17 +718,17 @@ def test_no_held_out_query_reaches_a_demonstration_or_the_rl_schedule(tmp_path, 
     config.data.synthetic = False
     config.data.folders = f"{shared_data / 'cranfield'},{shared_data / 'scifact'}"
     config.data.weights = "1,1"
-    config.data.validation_min = 25
+    config.data.dev_min = 25
     config.warmup.augment = 0
     config.rollout.max_len = 4096
     config.rollout.max_tokens_per_turn = 1024  # the default's small tokenizer spells real text nearly by letter
     c = build(config, tmp_path)
-    held_out = {t.task_id for t in c.val_tasks}
+    held_out = {t.task_id for t in c.dev_tasks}
     assert len(held_out) >= 50 and not held_out & {t.task_id for t in c.train_tasks}
     assert not held_out & {t.task_id for t in c.schedule.tasks}  # what the RL steps draw from
     texts = [c.chat.decode(tokens) for tokens, _ in demonstrations(c)]
     train_queries = {t.query for t in c.train_tasks}
     assert sum(any(q in text for text in texts[:200]) for q in list(train_queries)[:100]) > 10  # the search sees them
-    for task in c.val_tasks:
+    for task in c.dev_tasks:
         if task.query not in train_queries:  # a held-out question also asked in training is not a leak
             assert not any(task.query in text for text in texts), task.task_id

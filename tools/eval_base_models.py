@@ -5,7 +5,7 @@ baselines (BM25, dense, fusion) on the very same queries: the "before" column of
     python -m tools.eval_base_models --models smollm2-135m-instruct --out workdirs/base_eval
 
 For each model and collection this runs ``python -m experiments.evaluate --config=configs/real_cpu.py``
-(the model's own chat template, 50 held-out queries per collection: ``data.validation_min``), and
+(the model's own chat template, 50 held-out queries per collection: ``data.dev_min``), and
 writes ``<out>/table.md`` (nDCG@10, failure rate by reason, mean turns, tool calls per episode) and
 ``<out>/results.json``. Extra ``--set key=value`` pairs are passed on as ``--config.key=value``.
 """
@@ -33,7 +33,7 @@ def baselines(folder: pathlib.Path, minimum: int, tfidf_dim: int) -> dict:
     from mtrl_jax.search.build import SearchSettings
 
     collection = load_beir(folder)
-    _, held_out = split(collection.tasks, 0.05, minimum=minimum)  # data.validation_fraction's default, as in the runs
+    _, held_out = split(collection.tasks, 0.05, minimum=minimum)  # data.dev_fraction's default, as in the runs
     results = evaluate_retrieval(
         dataclasses.replace(collection, tasks=held_out),
         ("bm25", "dense", "fusion"),
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data", type=pathlib.Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--collections", default=",".join(COLLECTIONS))
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "workdirs" / "base_eval")
-    parser.add_argument("--queries", type=int, default=50, help="held-out queries per collection (data.validation_min)")
+    parser.add_argument("--queries", type=int, default=50, help="held-out queries per collection (data.dev_min)")
     parser.add_argument("--set", action="append", default=[], help="key=value: passed on as --config.key=value")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
                 f"--out={out}",
                 f"--config.model.checkpoint={directory}",
                 f"--config.data.folders={args.data / c}",
-                f"--config.data.validation_min={args.queries}",
+                f"--config.data.dev_min={args.queries}",
                 "--config.global_batch_size=1",  # no training here
                 *[f"--config.{kv}" for kv in args.set],
             ]

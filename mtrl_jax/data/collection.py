@@ -244,20 +244,65 @@ def write_tasks(tasks: Iterable[Task], path: os.PathLike) -> None:
             f.write(t.to_json() + "\n")
 
 
-def split(
-    tasks: list[Task], validation_fraction: float = 0.05, salt: str = "mtrl-jax", minimum: int = 0
-) -> tuple[list[Task], list[Task]]:
-    """Deterministic train/validation split by a hash of ``task_id`` (stable when tasks are
-    added or reordered); at least one validation task when there are two or more tasks, and at
-    least ``minimum`` (all but one of them, when there are fewer: one stays for training)."""
+SPLITS = ("train", "dev", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSizes:
+    """How many of a collection's tasks go to dev and to test (``data.dev_*`` / ``data.test_*``).
+
+    The tasks are ranked by a hash of their id (``split_rank``): dev takes the first
+    ``max(round(dev_fraction * n), dev_min)`` (all but one, at most; at least one with two or more tasks),
+    test the next ``max(round(test_fraction * n), test_min)``, at most half of what dev leaves (so that
+    training keeps the other half), and train the rest. Dev is exactly the "held-out" split of earlier
+    versions (the same hash, the same first tasks), so no figure published before the test split existed
+    was measured on test."""
+
+    dev_fraction: float = 0.05
+    dev_min: int = 0
+    test_fraction: float = 0.05
+    test_min: int = 0
+
+    def counts(self, n: int) -> tuple[int, int]:
+        n_dev = max(1 if n > 1 else 0, round(self.dev_fraction * n), min(self.dev_min, n - 1))
+        n_dev = min(n_dev, max(n - 1, 0))
+        n_test = min(max(round(self.test_fraction * n), self.test_min), (n - n_dev) // 2)
+        return n_dev, n_test
+
+
+def split_rank(tasks: list[Task], salt: str = "mtrl-jax") -> list[Task]:
+    """``tasks`` ordered by a hash of ``task_id``: the order the splits are cut from, independent of the
+    file's line order (and of the other tasks: adding one moves none of the others)."""
 
     def bucket(t):
         return int(hashlib.sha256(f"{salt}:{t.task_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
-    ranked = sorted(tasks, key=bucket)
-    n_val = max(1 if len(tasks) > 1 else 0, round(validation_fraction * len(tasks)), min(minimum, len(tasks) - 1))
-    val_ids = {t.task_id for t in ranked[:n_val]}
-    return [t for t in tasks if t.task_id not in val_ids], [t for t in tasks if t.task_id in val_ids]
+    return sorted(tasks, key=lambda t: (bucket(t), t.task_id))
+
+
+def _split_ids(tasks: list[Task], sizes: SplitSizes) -> tuple[set, set]:
+    ranked = split_rank(tasks)
+    n_dev, n_test = sizes.counts(len(tasks))
+    return {t.task_id for t in ranked[:n_dev]}, {t.task_id for t in ranked[n_dev : n_dev + n_test]}
+
+
+def split(tasks: list[Task], sizes: SplitSizes = SplitSizes()) -> tuple[list[Task], list[Task]]:
+    """``(train, dev)`` of a collection's tasks, each in the tasks' own order (``SplitSizes`` says how they
+    are cut). The test split is not returned: only ``test_split`` gives it, and only the test evaluation
+    (``mtrl_jax.evaluate``, ``experiments.evaluate --split=test``) calls that."""
+    dev_ids, test_ids = _split_ids(tasks, sizes)
+    train = [t for t in tasks if t.task_id not in dev_ids and t.task_id not in test_ids]
+    return train, [t for t in tasks if t.task_id in dev_ids]
+
+
+def test_split(tasks: list[Task], sizes: SplitSizes) -> list[Task]:
+    """The test tasks of a collection, in their own order. Read once per final config, through the test
+    ledger (``mtrl_jax.evaluate.evaluate_test``); ``tests/test_splits.py`` holds that nothing else calls it."""
+    _, test_ids = _split_ids(tasks, sizes)
+    return [t for t in tasks if t.task_id in test_ids]
+
+
+test_split.__test__ = False  # not a pytest test, whatever its name
 
 
 def mixture(datasets: dict[str, list[Task]], weights: dict[str, float], num_tasks: int, seed=0) -> list[Task]:
