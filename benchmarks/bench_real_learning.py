@@ -33,32 +33,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import numpy as np
 
 from benchmarks.common import REPO, machine_line, ratio, run_seeds, worktree
+from mtrl_jax.metrics import read_episodes as episodes
+from mtrl_jax.metrics import task_scores
 
 STAGES = (("base", "base"), ("warmed up", "before"), ("after RL", "after"))
-
-
-def episodes(path: pathlib.Path) -> list:
-    """An evaluation's trajectory file as episodes: ``task_id``, ``task_type`` (the collection, the task id's
-    prefix), ``status``, ``reward``, ``turns``, ``counters``."""
-    out = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        out.append(
-            types.SimpleNamespace(
-                task_id=r["task_id"],
-                task_type=r["task_id"].split("/", 1)[0],
-                status=r["status"],
-                reward=r["reward"],
-                turns=r["turns"],
-                counters=r["counters"],
-            )
-        )
-    return out
 
 
 def stage_metrics(path: pathlib.Path) -> dict:
@@ -69,18 +51,6 @@ def stage_metrics(path: pathlib.Path) -> dict:
     for t in episodes(path):
         by_collection.setdefault(t.task_type, []).append(t)
     return {name: summarize(ts, by_type=False) for name, ts in sorted(by_collection.items())}
-
-
-def task_scores(path: pathlib.Path) -> dict:
-    """``{task_id: nDCG@10 (failures 0)}`` of an evaluation's trajectory file (one greedy episode a task)."""
-    from mtrl_jax.metrics import trajectory_score
-
-    scores: dict = {}
-    for number, t in enumerate(episodes(path), start=1):
-        if t.task_id in scores:
-            raise ValueError(f"{path}:{number}: a second episode of {t.task_id} (one episode a task expected)")
-        scores[t.task_id] = trajectory_score(t)
-    return scores
 
 
 def paired(agent, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:

@@ -30,6 +30,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", "workdirs/default", "checkpoints, logs, trajectories and summary.json go here"
 )
+_STAGE = flags.DEFINE_enum(
+    "stage",
+    "all",
+    ["all", "warmup"],
+    "all: warm-up, RL, evaluations; warmup: the warm-up alone (experiments.ablate shares it between arms)",
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", "", "multi-process: HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)"
 )
@@ -50,7 +56,7 @@ def main(argv):
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.WARNING)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
     try:
-        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _STAGE.value)
     except Exception as e:  # noqa: BLE001 - a known cause is said in one line; anything else keeps its traceback
         cause = stopping_cause(e)
         if cause is None:

@@ -20,6 +20,7 @@ import pathlib
 import resource
 import sys
 import threading
+import types
 from typing import Optional, Sequence
 
 import jax
@@ -213,6 +214,35 @@ def headline(label: str, m: dict) -> str:
             for kind, v in kinds.items()
         )
     return line
+
+
+def read_episodes(path: pathlib.Path) -> list:
+    """An evaluation's trajectory file as episodes: ``task_id``, ``task_type`` (the collection, the task id's
+    prefix), ``status``, ``reward``, ``turns``, ``counters``."""
+    out = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        out.append(
+            types.SimpleNamespace(
+                task_id=r["task_id"],
+                task_type=r["task_id"].split("/", 1)[0],
+                status=r["status"],
+                reward=r["reward"],
+                turns=r["turns"],
+                counters=r["counters"],
+            )
+        )
+    return out
+
+
+def task_scores(path: pathlib.Path) -> dict:
+    """``{task_id: nDCG@10 (failures 0)}`` of an evaluation's trajectory file (one greedy episode a task)."""
+    scores: dict = {}
+    for number, t in enumerate(read_episodes(path), start=1):
+        if t.task_id in scores:
+            raise ValueError(f"{path}:{number}: a second episode of {t.task_id} (one episode a task expected)")
+        scores[t.task_id] = trajectory_score(t)
+    return scores
 
 
 def write_trajectories(path: pathlib.Path, trajectories: Sequence, step: Optional[int] = None) -> None:

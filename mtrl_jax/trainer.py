@@ -247,13 +247,22 @@ class Trainer:
         self.checkpoints.close()
 
 
-def train_and_evaluate(config, workdir: os.PathLike) -> dict:
+def train_and_evaluate(config, workdir: os.PathLike, stage: str = "all") -> dict:
+    """The run of ``config`` in ``workdir``: the warm-up, RL and the evaluations (``stage="all"``), or the
+    warm-up alone (``stage="warmup"``: what ``experiments.ablate`` shares between the arms of a seed; a run
+    of the same config in a work directory holding a copy of its ``warmup/`` and ``tokenizer.json`` then
+    starts RL from it, with the parameters a run that warmed up itself would have)."""
     workdir = pathlib.Path(workdir)
     with WorkdirLock(workdir):  # before anything is written there
         check_run_config(workdir, config)
         trainer = Trainer(build(config, workdir), workdir)
         try:
             with stop_signals(trainer.request_stop):
+                if stage == "warmup":
+                    if trainer.c.warmup is None:
+                        raise ValueError("--stage=warmup: the config has no warm-up (warmup.steps=0)")
+                    trainer._warm_up()
+                    return {"warmup_steps": trainer.c.warmup.steps}
                 return trainer.train()
         finally:
             trainer.close()

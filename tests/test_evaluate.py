@@ -234,7 +234,7 @@ def test_search_headroom_scores_the_agents_moves_as_the_baselines_do(shared_data
     config.data.folders = f"{shared_data / 'cranfield'}"
     config.data.dev_min = 25
     results = headroom(config)
-    held_out, train = results["held-out"]["cranfield"], results["train"]["cranfield"]
+    held_out, train = results["dev"]["cranfield"], results["train"]["cranfield"]
     baselines = single_search_baselines(config)["cranfield"]
     assert held_out["queries"] == baselines["queries"] == 25
     assert abs(held_out["bm25"] - baselines["bm25"]) < 1e-9 and abs(held_out["dense"] - baselines["dense"]) < 1e-9
@@ -247,4 +247,4 @@ def test_search_headroom_scores_the_agents_moves_as_the_baselines_do(shared_data
         picked = [v for s, v in m.items() if s not in ("queries", BEST)]
         assert max(picked) <= m[BEST] <= 1.0
         assert len(set(round(v, 6) for v in picked)) > 1  # the moves do rank differently
-    assert "| held-out | cranfield (25) |" in table(results)
+    assert "| dev | cranfield (25) |" in table(results)

@@ -25,15 +25,15 @@ COLLECTIONS = ("scifact", "cranfield", "musique", "dbpedia_entity_5k")
 
 
 def baselines(folder: pathlib.Path, minimum: int, tfidf_dim: int) -> dict:
-    """BM25 / dense / fusion nDCG@10 on the held-out queries of ``folder`` (the split the runs use)."""
+    """BM25 / dense / fusion nDCG@10 on the dev queries of ``folder`` (the split the runs use)."""
     import dataclasses
 
-    from mtrl_jax.data.collection import load_beir, split
+    from mtrl_jax.data.collection import SplitSizes, load_beir, split
     from mtrl_jax.search.baselines import evaluate_retrieval
     from mtrl_jax.search.build import SearchSettings
 
     collection = load_beir(folder)
-    _, held_out = split(collection.tasks, 0.05, minimum=minimum)  # data.dev_fraction's default, as in the runs
+    _, held_out = split(collection.tasks, SplitSizes(0.05, minimum))  # data.dev_fraction's default, as in the runs
     results = evaluate_retrieval(
         dataclasses.replace(collection, tasks=held_out),
         ("bm25", "dense", "fusion"),

@@ -1,5 +1,5 @@
 """What the agent's own moves can reach, with no model: nDCG@10 of fixed tool-only strategies built from
-the moves the cold start's teacher demonstrates, on the training and the held-out queries of a config's
+the moves the cold start's teacher demonstrates, on the training and the dev queries of a config's
 collections. Where no strategy beats one BM25 search, RL over a cold start that already searches BM25 has
 nothing better to find (issue 48, docs/real_models.md).
 
@@ -16,7 +16,8 @@ reciprocal-rank fusion of the searches' shown results; an answer of ids: the ids
 - ``best per query``: the best of the strategies above for each query, an upper bound that only a policy
   knowing each query's judgments could reach.
 
-Training queries are the config's training split (each once); held-out ones its validation split.
+Training queries are the config's training split (each once), dev ones its dev split; the test split is never
+read here (only `experiments.evaluate --split=test` reads it).
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ def strategies(query: str, bm25: Callable, dense: Callable, title: dict) -> dict
 
 def headroom(config) -> dict:
     """``{split: {collection: {"queries": n, strategy: mean nDCG@10}}}`` over the judged queries."""
-    collections, train, val = build_data(config)
+    collections, train, dev = build_data(config)
     settings = search_settings(config)
-    out: dict = {"train": {}, "held-out": {}}
+    out: dict = {"train": {}, "dev": {}}
     for name, collection in collections.items():
         searchers = [make_retriever(kind, collection, settings) for kind in ("bm25", "dense")]
         bm25, dense = ((lambda q, r=r: [d for d, _ in r.search(q, TOP_K)]) for r in searchers)
         title = {d.doc_id: d.title for d in collection.documents}
-        for split, tasks in (("train", train), ("held-out", val)):
+        for split, tasks in (("train", train), ("dev", dev)):
             unique = {t.task_id: t for t in tasks if t.corpus == name and t.qrels}
             scores: dict[str, list[float]] = {}
             for task in unique.values():
