@@ -1,21 +1,98 @@
-"""Ablations: ``python -m experiments.ablate --config=configs/default.py --grid rl.loss=ppo,cispo,is
---grid rl.advantage=grpo,rloo,grpo_passk --seeds 3 --out workdirs/ablate [--config.max_steps=...]``.
+"""Ablations that share their warm-up and their randomness:
 
-Every cell of the grid runs once per seed, one after another, as ``experiments.run`` in
-``<out>/<cell>/seed_<s>``; a run whose summary.json exists is skipped, so the command resumes.
-Then ``results.md`` / ``results.json`` (mean +- std over seeds of the final validation nDCG@10 and
-failure rate) and ``validation.png`` (validation nDCG@10 against RL step, one line per cell) are
-written. Other ``--config.*`` flags are passed to every run.
+    python -m experiments.ablate --config=configs/default.py --grid rl.loss=ppo,cispo,is \\
+        --grid rl.advantage=grpo,rloo,grpo_passk --seeds 0,1,2,3,4 --out workdirs/ablate [--config.x=y ...]
+
+Every arm (a cell of the grid) runs once per seed as ``experiments.run`` in ``<out>/<arm>/seed_<s>``. Arms of
+one seed share:
+
+* **the warm-up.** It is trained once per seed and per value of the fields it reads (``warmup_key``: the
+  config without the fields only RL and the evaluations read, ``RL_ONLY``), as ``experiments.run
+  --stage=warmup`` in ``<out>/warmups/<key>``; each arm starts from a copy of it (``warmup/`` and
+  ``tokenizer.json``), so it is a run that resumes after its warm-up. A grid field the warm-up reads gives
+  each of its values its own warm-up.
+* **their random numbers.** The run's streams are named and seeded by the seed alone (``mtrl_jax.rng``):
+  the same task order, the same per-episode sampling keys, the same evaluation keys. Arms differ only in
+  what the grid changes, and an arm gives the parameters of a standalone ``experiments.run`` of that seed
+  and config (``tests/test_ablate.py``, with ``rollout.asynchronous=False rollout.tool_workers=0``).
+
+A finished arm (its ``summary.json``) or warm-up is not run again, so the command resumes. Then, on the dev
+split's per-query nDCG@10 after RL (``trajectories/eval_after.jsonl``):
+
+* ``results.json``: ``arms`` (per arm ``mean``, ``ci95``, ``n``, the failure rate and the dev curve),
+  ``pairs`` (per pair of arms ``a``, ``b``, ``diff`` = a - b, its paired ``ci95`` over the same seeds and
+  queries, ``separated`` when that interval excludes 0), ``warmups`` (trained, reused) and the seconds;
+* ``results.md``: the same as tables; ``results.png``: each arm's mean with its interval bar.
+
+Intervals: ``mtrl_jax.stats`` (a two-way bootstrap over seeds and queries). How to read them: docs/ablations.md.
 """
 
+from __future__ import annotations
+
 import argparse
+import hashlib
 import itertools
 import json
 import pathlib
+import shutil
+import sys
+import time
 
 import numpy as np
 
-from experiments.sweep import run_seeds
+from experiments.sweep import load_config, timed_run
+from mtrl_jax import stats
+from mtrl_jax.metrics import task_scores
+
+# Fields no part of the warm-up reads (the RL objective and optimizer, the rollout's sampling and scheduling,
+# the evaluations, checkpoints and logs). Every other field is part of the warm-up's key: a field missing
+# here costs a warm-up more, never a wrong share.
+RL_ONLY_PREFIXES = ("rl.", "optim.", "eval.", "checkpoint.", "log.")
+RL_ONLY_FIELDS = {
+    "max_steps",
+    "max_epochs",
+    "global_batch_size",
+    "rollout_max_concurrency",
+    "compilation_cache_dir",
+    "rollout.group_size",
+    "rollout.temperature",
+    "rollout.top_p",
+    "rollout.decode_chunk",
+    "rollout.tool_workers",
+    "rollout.precompile",
+    "rollout.share_prefixes",
+    "rollout.param_dtype",
+    "rollout.asynchronous",
+    "rollout.max_staleness",
+}
+WARMUP_READS_RL = {"rl.logprob_chunk", "rl.max_nonfinite_steps"}  # under rl., but the warm-up's step reads them
+SHARED_FILES = ("warmup", "tokenizer.json")  # what an arm's work directory gets from its seed's warm-up
+
+
+def flatten(config, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if hasattr(value, "items"):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def reads_warmup(field: str) -> bool:
+    """Whether the warm-up may read ``field`` (a dotted config path)."""
+    if field in WARMUP_READS_RL:
+        return True
+    return not (field in RL_ONLY_FIELDS or field.startswith(RL_ONLY_PREFIXES))
+
+
+def warmup_key(config) -> str:
+    """A hash of every field the warm-up may read (the seed included): two configs with the same key
+    warm up to the same parameters."""
+    fields = {k: v for k, v in flatten(config.to_dict()).items() if reads_warmup(k)}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def parse_grid(items):
@@ -24,16 +101,29 @@ def parse_grid(items):
         if "=" not in item:
             raise SystemExit(f"--grid {item!r}: expected field=value1,value2")
         field, values = item.split("=", 1)
-        grid.append((field, [v for v in values.split(",") if v]))
+        values = [v for v in values.split(",") if v]
+        if not values:
+            raise SystemExit(f"--grid {item!r}: no values")
+        grid.append((field, values))
     return grid
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1,2,3,4") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {text!r}: expected distinct seeds")
+    return seeds
 
 
 def cell_name(cell) -> str:
     return ",".join(f"{field.split('.')[-1]}={value}" for field, value in cell)
 
 
-def validation_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
-    """(step, validation nDCG@10): before RL at 0, periodic evaluations, after RL at the end."""
+def dev_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
+    """(step, dev nDCG@10): before RL at 0, periodic evaluations, after RL at the end."""
     summary = json.loads((workdir / "summary.json").read_text())
     points = [(0, summary["before"]["ndcg@10"])]
     metrics = workdir / "metrics.jsonl"
@@ -46,50 +136,163 @@ def validation_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
     return points
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/default.py")
-    parser.add_argument("--grid", action="append", default=[], help="field=value1,value2 (repeatable)")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--out", default="workdirs/ablate")
-    parser.add_argument("--eval-every", type=int, default=8, help="validation every N RL steps (the plot's points)")
-    args, overrides = parser.parse_known_args(argv)
-    for o in overrides:
-        if not o.startswith("--config."):
-            raise SystemExit(f"unknown argument {o!r}")
-    grid = parse_grid(args.grid)
-    if not grid:
-        raise SystemExit("give at least one --grid field=values")
-    out = pathlib.Path(args.out)
-    cells = [tuple(zip([f for f, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
-    results = {}
-    for cell in cells:
+class Ablation:
+    """The arms x seeds of a grid, their shared warm-ups, and the runs' commands."""
+
+    def __init__(self, config_path: str, grid, seeds, out: pathlib.Path, overrides, eval_every: int):
+        self.config_path, self.seeds, self.out = config_path, seeds, pathlib.Path(out)
+        self.overrides = [f"--config.eval.every_steps={eval_every}", *overrides]
+        self.cells = [tuple(zip([f for f, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
+        self.used: dict = {}  # (cell, seed) -> the warm-up directory its arm started from
+        self.trained_now = 0  # warm-ups trained by this invocation (a rerun finds the others done)
+
+    def flags(self, cell, seed: int) -> list[str]:
+        return [f"--config.seed={seed}", *self.overrides, *[f"--config.{f}={v}" for f, v in cell]]
+
+    def warmup_dir(self, cell, seed: int) -> pathlib.Path | None:
+        config = load_config(self.config_path, self.flags(cell, seed))
+        if not config.warmup.steps:
+            return None
+        return self.out / "warmups" / f"seed_{seed}-{warmup_key(config)}"
+
+    def run(self, cmd_flags, workdir: pathlib.Path, stage: str = "all", label: str = "") -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            f"--config={self.config_path}",
+            f"--workdir={workdir}",
+            f"--stage={stage}",
+            "--config.log.progress=False",
+            *cmd_flags,
+        ]
+        print(f"{label}{' '.join(cmd[2:])}", flush=True)
+        timed_run(cmd, workdir / "wall_seconds.txt")
+
+    def warm_up(self, cell, seed: int) -> pathlib.Path | None:
+        """The seed's warm-up for ``cell`` (trained now unless an earlier arm or invocation has it)."""
+        where = self.warmup_dir(cell, seed)
+        if where is None:
+            return None
+        self.used[(cell, seed)] = where
+        if not (where / "warmup_done").exists():
+            self.run(self.flags(cell, seed), where, "warmup", f"[warm-up seed {seed}] ")
+            (where / "warmup_done").write_text(f"{cell_name(cell)}\n")
+            self.trained_now += 1
+        return where
+
+    def warmup_counts(self) -> dict:
+        """``trained``: the warm-ups the arms started from (each trained once); ``reused``: the arm runs that
+        started from one trained for another arm; ``trained_now``: those this invocation trained."""
+        arms = len(self.cells) * len(self.seeds)
+        trained = len(set(self.used.values()))
+        return {"trained": trained, "reused": arms - trained, "trained_now": self.trained_now}
+
+    def arm(self, cell, seed: int) -> pathlib.Path:
+        workdir = self.out / cell_name(cell) / f"seed_{seed}"
+        shared = self.warmup_dir(cell, seed)
+        if shared is not None:
+            self.used[(cell, seed)] = shared
+        if (workdir / "summary.json").exists():
+            print(f"[{cell_name(cell)}] [seed {seed}] done already", flush=True)
+            return workdir
+        shared = self.warm_up(cell, seed)
+        if shared is not None and not (workdir / "checkpoints").exists():
+            workdir.mkdir(parents=True, exist_ok=True)
+            for name in SHARED_FILES:
+                source, target = shared / name, workdir / name
+                if target.exists():
+                    shutil.rmtree(target) if target.is_dir() else target.unlink()
+                if source.is_dir():
+                    shutil.copytree(source, target)
+                elif source.exists():
+                    shutil.copy2(source, target)
+        self.run(self.flags(cell, seed), workdir, label=f"[{cell_name(cell)}] [seed {seed}] ")
+        return workdir
+
+    def arm_wall_seconds(self, cell) -> float:
+        return sum(_wall(self.out / cell_name(cell) / f"seed_{s}") for s in self.seeds)
+
+    def warmup_wall_seconds(self) -> float:
+        return sum(_wall(p) for p in (self.out / "warmups").glob("seed_*"))
+
+
+def _wall(workdir: pathlib.Path) -> float:
+    wall = workdir / "wall_seconds.txt"
+    return float(wall.read_text()) if wall.exists() else 0.0
+
+
+def score_matrix(workdirs) -> tuple[np.ndarray, list[str]]:
+    """``[seeds, queries]`` dev nDCG@10 after RL of the runs ``workdirs`` (the same queries in each)."""
+    scores = [task_scores(w / "trajectories" / "eval_after.jsonl") for w in workdirs]
+    ids = sorted(scores[0])
+    for w, s in zip(workdirs, scores):
+        if sorted(s) != ids:
+            raise ValueError(f"{w}: its dev queries differ from {workdirs[0]}'s: the arms are not paired")
+    return np.array([[s[i] for i in ids] for s in scores]), ids
+
+
+def report(ablation: Ablation, started: float) -> dict:
+    """``results.json``'s content: per arm its interval, per pair the paired difference."""
+    arms, matrices = {}, {}
+    for cell in ablation.cells:
         name = cell_name(cell)
-        flags = [f"--config.eval.every_steps={args.eval_every}", *[f"--config.{f}={v}" for f, v in cell], *overrides]
-        summaries = list(run_seeds(args.config, range(args.seeds), out / name, flags, label=f"[{name}] ").values())
-        runs = [out / name / f"seed_{seed}" for seed in range(args.seeds)]
-        ndcg = np.array([s["after"]["ndcg@10"] for s in summaries])
-        fail = np.array([s["after"]["failure_rate"] for s in summaries])
-        results[name] = {
-            "ndcg@10_mean": float(ndcg.mean()),
-            "ndcg@10_std": float(ndcg.std()),
-            "failure_rate_mean": float(fail.mean()),
-            "failure_rate_std": float(fail.std()),
-            "seeds": len(runs),
-            "curves": [validation_curve(w) for w in runs],
+        runs = [ablation.out / name / f"seed_{s}" for s in ablation.seeds]
+        matrices[name], _ = score_matrix(runs)
+        summaries = [json.loads((w / "summary.json").read_text()) for w in runs]
+        ci = stats.interval(matrices[name])
+        arms[name] = {
+            "mean": ci.mean,
+            "ci95": [ci.low, ci.high],
+            "n": {"seeds": ci.seeds, "queries": ci.queries},
+            "failure_rate": float(np.mean([s["after"]["failure_rate"] for s in summaries])),
+            "before": float(np.mean([s["before"]["ndcg@10"] for s in summaries])),
+            "curves": [dev_curve(w) for w in runs],
+            "wall_seconds": ablation.arm_wall_seconds(cell),
         }
-    lines = ["| cell | validation nDCG@10 | failure rate | seeds |", "|---|---|---|---|"]
-    for name, r in results.items():
+    pairs = []
+    for a, b in itertools.combinations(arms, 2):
+        diff = stats.paired(matrices[a], matrices[b])
+        separated = diff.excludes_zero
+        pairs.append({"a": a, "b": b, "diff": diff.mean, "ci95": [diff.low, diff.high], "separated": separated})
+    return {
+        "split": "dev",
+        "seeds": ablation.seeds,
+        "arms": arms,
+        "pairs": pairs,
+        "warmups": {**ablation.warmup_counts(), "wall_seconds": ablation.warmup_wall_seconds()},
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def markdown(results: dict) -> str:
+    arms, pairs = results["arms"], results["pairs"]
+    any_arm = next(iter(arms.values()))
+    n = f"{any_arm['n']['seeds']} seeds x {any_arm['n']['queries']} dev queries"
+    lines = [
+        f"Dev nDCG@10 after RL (failures 0), mean and 95% interval over {n}; before RL: the shared warm-up.",
+        "",
+        "| arm | nDCG@10 [95% CI] | before RL | failure rate |",
+        "|---|---|---|---|",
+    ]
+    for name, r in arms.items():
         lines.append(
-            f"| {name} | {r['ndcg@10_mean']:.4f} ± {r['ndcg@10_std']:.4f} | "
-            f"{r['failure_rate_mean']:.4f} ± {r['failure_rate_std']:.4f} | {r['seeds']} |"
+            f"| {name} | {r['mean']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] | {r['before']:.4f} | "
+            f"{r['failure_rate']:.3f} |"
         )
-    table = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(table)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "validation.png")
-    print(table)
-    print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {out / 'validation.png'}")
+    lines += ["", "| a | b | a - b [95% CI, paired] | verdict |", "|---|---|---|---|"]
+    for p in pairs:
+        verdict = "separated" if p["separated"] else "not resolved"
+        low, high = p["ci95"]
+        lines.append(f"| {p['a']} | {p['b']} | {p['diff']:+.4f} [{low:+.4f}, {high:+.4f}] | {verdict} |")
+    widest = max((p["ci95"][1] - p["ci95"][0]) / 2 for p in pairs) if pairs else 0.0
+    separated = sum(p["separated"] for p in pairs)
+    lines += [
+        "",
+        f"{separated} of {len(pairs)} pairs separated; the widest paired interval is ±{widest:.4f} around its mean.",
+        f"Warm-ups: {results['warmups']['trained']} trained, {results['warmups']['reused']} reused.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: pathlib.Path):
@@ -98,19 +301,51 @@ def plot(results: dict, path: pathlib.Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for name, r in results.items():
-        steps = sorted({s for curve in r["curves"] for s, _ in curve})
-        mean = [np.mean([dict(c)[s] for c in r["curves"] if s in dict(c)]) for s in steps]
-        ax.plot(steps, mean, marker="o", label=name)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("validation nDCG@10 (failures count 0)")
-    ax.set_title("validation reward per ablation cell (mean over seeds)")
+    names = list(results["arms"])
+    means = np.array([results["arms"][n]["mean"] for n in names])
+    low = means - np.array([results["arms"][n]["ci95"][0] for n in names])
+    high = np.array([results["arms"][n]["ci95"][1] for n in names]) - means
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(names) + 2), 4.5), dpi=120)
+    ax.errorbar(range(len(names)), means, yerr=[low, high], fmt="o", capsize=4)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("dev nDCG@10 after RL (failures count 0)")
+    any_arm = next(iter(results["arms"].values()))
+    ax.set_title(f"mean and 95% interval, {any_arm['n']['seeds']} seeds x {any_arm['n']['queries']} queries")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/default.py")
+    parser.add_argument("--grid", action="append", default=[], help="field=value1,value2 (repeatable)")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, e.g. 0,1,2,3,4")
+    parser.add_argument("--out", default="workdirs/ablate")
+    parser.add_argument("--eval-every", type=int, default=0, help="dev evaluation every N RL steps (0: before/after)")
+    args, overrides = parser.parse_known_args(argv)
+    for o in overrides:
+        if not o.startswith("--config."):
+            raise SystemExit(f"unknown argument {o!r}")
+        if o.startswith("--config.seed="):
+            raise SystemExit("--config.seed: give the seeds with --seeds")
+    grid = parse_grid(args.grid)
+    if not grid:
+        raise SystemExit("give at least one --grid field=values")
+    started = time.perf_counter()
+    ablation = Ablation(args.config, grid, parse_seeds(args.seeds), pathlib.Path(args.out), overrides, args.eval_every)
+    for seed in ablation.seeds:  # seed by seed: a seed's warm-up is trained once, then its arms run
+        for cell in ablation.cells:
+            ablation.arm(cell, seed)
+    results = report(ablation, started)
+    out = ablation.out
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out / "results.png")
+    print(markdown(results))
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'} and {out / 'results.png'}")
 
 
 if __name__ == "__main__":

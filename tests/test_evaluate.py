@@ -168,38 +168,6 @@ def test_evaluating_a_missing_work_directory_creates_nothing(tmp_path):
     assert not (tmp_path / "typo").exists()
 
 
-@pytest.mark.slow
-def test_ablation_runner_resumes_and_reports(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.ablate",
-        "--config=configs/default.py",
-        "--grid",
-        "rl.loss=ppo,cispo",
-        "--seeds",
-        "1",
-        "--out",
-        str(tmp_path),
-        "--eval-every",
-        "1",
-        "--config.max_steps=2",
-        "--config.global_batch_size=2",
-        "--config.rollout.group_size=2",
-        "--config.rollout.asynchronous=False",
-        *TINY,
-    ]
-    first = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    table = (tmp_path / "results.md").read_text()
-    assert "| loss=ppo |" in table and "| loss=cispo |" in table and "±" in table
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert [s for s, _ in results["loss=ppo"]["curves"][0]] == [0, 1, 2]
-    assert (tmp_path / "validation.png").read_bytes()[:4] == b"\x89PNG"
-    again = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and again.stdout.count("done already") == 2
-
-
 def test_a_per_collection_evaluation_cap_keeps_the_split(shared_data):
     """``data.max_eval_per_collection`` evaluates the first N held-out queries of each collection; the
     training tasks, and which queries are held out, do not change."""
