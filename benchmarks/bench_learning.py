@@ -1,4 +1,4 @@
-"""Does RL beat the warmed-up teacher? The default config over several seeds, mean +- std.
+"""Does RL beat the warmed-up teacher? The default config over several seeds, means with 95% intervals.
 
     python -m benchmarks.bench_learning --seeds 0,1,2 --out workdirs/bench_learning
 
@@ -22,6 +22,7 @@ import pathlib
 import numpy as np
 
 from benchmarks.common import machine_line, run_seeds
+from mtrl_jax import stats
 
 
 KEYS = ("ndcg@10", "failure_rate", "mean_turns")
@@ -82,7 +83,7 @@ def training_hops(workdir: pathlib.Path) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--out", default="workdirs/bench_learning")
     parser.add_argument("--config", default="configs/default.py")
     args, overrides = parser.parse_known_args(argv)
@@ -98,15 +99,16 @@ def main(argv=None):
     print(f"{'seed':>6} " + " ".join(f"{p}:{k:>14}" for p in ("before", "after") for k in KEYS))
     for seed, s in summaries.items():
         print(f"{seed:>6} " + " ".join(f"{s[p][k]:>21.4f}" for p in ("before", "after") for k in KEYS))
+    # each seed its own synthetic collection (data.synthetic_seed): seed-level figures, Student's t over the seeds
+    # (each seed's figure carries its own queries' noise); the change is paired seed by seed
     for key in KEYS:
-        before = np.array([s["before"][key] for s in summaries.values()])
-        after = np.array([s["after"][key] for s in summaries.values()])
-        delta = after - before
-        print(
-            f"{key:>13}: before {before.mean():.4f} +- {before.std():.4f}   after {after.mean():.4f} +- "
-            f"{after.std():.4f}   "
-            f"change {delta.mean():+.4f} +- {delta.std():.4f}"
+        before = stats.interval([s["before"][key] for s in summaries.values()])
+        after = stats.interval([s["after"][key] for s in summaries.values()])
+        change = stats.paired(
+            [s["after"][key] for s in summaries.values()], [s["before"][key] for s in summaries.values()]
         )
+        print(f"{key:>13}: before {before.text(4)}   after {after.text(4)}")
+        print(f"{'':>13}  change {change.text(4)}: {stats.verdict(change)}")
     print("\nby query type (mean over seeds), before -> after: nDCG@10, mean turns, first tool call shares")
     types: dict = {}
     for seed in summaries:

@@ -1,6 +1,6 @@
 """Does a real model become a better search agent? The whole recipe of a real-model config (an evaluation
 of the base model, the cold-start warm-up, an evaluation, MTRL, an evaluation) over several seeds, per
-collection, beside one-search baselines on the very same held-out queries.
+collection, beside one-search baselines on the very same dev queries.
 
     python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
     python -m benchmarks.bench_real_learning --config=configs/real_cpu.py --seeds 0,1,2
@@ -8,17 +8,17 @@ collection, beside one-search baselines on the very same held-out queries.
 Each seed is one ``experiments.run`` of the config with ``eval.before_warmup`` on, in ``<out>/seed_<s>``
 (a seed already finished is not rerun, so the script resumes). From the runs' evaluation trajectories it
 prints, per collection and stage (base -> warmed up -> after RL): nDCG@10 (failures count 0), failure
-rate by reason, mean turns, tool calls and repeated calls per episode; each seed, then the mean ± std
+rate by reason, mean turns, tool calls and repeated calls per episode; each seed, then the mean with its 95% interval
 over seeds, and the change from the warmed-up policy to RL. The baselines are one search with the
 question as typed (BM25, dense, their fusion), its top 10 as the ranking; each seed's policy after RL is
 also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
 the mean difference; for several seeds also of their mean), since a mean over 25-30 queries can hide one
 query's luck. Then each run's minutes and peak resident memory. Extra ``--config.*`` arguments go to every run.
-``--samples k`` also evaluates each seed's finished warm-up and RL policy with k samples a held-out query at
+``--samples k`` also evaluates each seed's finished warm-up and RL policy with k samples a dev query at
 the rollout temperature (the policy RL trains, where the table above decodes greedily), with RL's change.
 
 ``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
-each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its held-out queries cut to
+each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its dev queries cut to
 ``--step_eval_tasks``), no warm-up, ``--steps`` RL steps, the two runs alternated ``--rounds`` times; it
 prints the median step time of each (the first step, which compiles, left out) and the speed-up.
 """
@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from benchmarks.common import REPO, machine_line, ratio, run_seeds, worktree
+from mtrl_jax import stats
 from mtrl_jax.metrics import read_episodes as episodes
 from mtrl_jax.metrics import task_scores
 
@@ -53,21 +54,23 @@ def stage_metrics(path: pathlib.Path) -> dict:
     return {name: summarize(ts, by_type=False) for name, ts in sorted(by_collection.items())}
 
 
-def paired(agent, baseline: dict, resamples: int = 10_000, seed: int = 0) -> str:
-    """The agent against a baseline query by query (``{task_id: nDCG@10}`` each, the same tasks): wins,
-    losses and ties, and a paired bootstrap 95% interval of the mean difference over the queries. ``agent``
-    may be a list of such dicts (one per seed): each query's difference is then the seeds' mean, so the
-    interval is that of the mean over seeds, with the queries resampled."""
+def paired(agent, baseline: dict) -> str:
+    """The agent against a baseline query by query (``{task_id: nDCG@10}`` each, the same tasks): wins, losses
+    and ties of each query's mean over the seeds, and the mean difference with its paired 95% interval
+    (``mtrl_jax.stats.paired``: a two-way bootstrap over the seeds and the queries, the queries alone with one
+    seed) and its verdict. ``agent`` is one such dict or a list of them, one per seed."""
     agents = [agent] if isinstance(agent, dict) else list(agent)
     for one in agents:
         if set(one) != set(baseline):
             raise ValueError(f"the agent's and the baseline's queries differ: {sorted(set(one) ^ set(baseline))[:5]}")
-    d = np.array([np.mean([one[t] for one in agents]) - baseline[t] for t in sorted(baseline)])
-    means = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
+    ids = sorted(baseline)
+    mine = np.array([[one[t] for t in ids] for one in agents])
+    base = np.broadcast_to(np.array([baseline[t] for t in ids]), mine.shape)
+    d = (mine - base).mean(axis=0)
+    diff = stats.paired(mine, base)
     return (
         f"{int((d > 1e-9).sum())} wins, {int((d < -1e-9).sum())} losses, {int((abs(d) <= 1e-9).sum())} ties, "
-        f"bootstrap 95% interval {lo:+.3f} to {hi:+.3f}"
+        f"difference {diff.text()}: {stats.verdict(diff)}"
     )
 
 
@@ -80,25 +83,26 @@ def cell(m: dict) -> str:
     )
 
 
-def mean_std(values) -> str:
-    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+def mean_ci(values) -> str:
+    """The seeds' mean and its 95% interval (Student's t over the seeds), with n."""
+    return stats.interval(values).text()
 
 
 def print_rows(label: str, rows: list) -> None:
-    """A stage's table rows, ``rows`` ``[(seed, summarize(...))]``: one a seed, then their mean ± std."""
+    """A stage's table rows, ``rows`` ``[(seed, summarize(...))]``: one a seed, then their mean [95% CI]."""
     for seed, m in rows:
         print(f"| {label} | {seed} | {cell(m)} |")
     if len(rows) > 1:
         print(
-            f"| {label} | mean ± std | {mean_std([m['ndcg@10'] for _, m in rows])} | "
-            f"{mean_std([m['failure_rate'] for _, m in rows])} | "
-            f"{mean_std([m['mean_turns'] for _, m in rows])} | |"
+            f"| {label} | mean [95% CI] | {mean_ci([m['ndcg@10'] for _, m in rows])} | "
+            f"{mean_ci([m['failure_rate'] for _, m in rows])} | "
+            f"{mean_ci([m['mean_turns'] for _, m in rows])} | |"
         )
 
 
 def sampled_evaluations(config: str, seeds: list[int], out: pathlib.Path, overrides: list[str], k: int) -> dict:
     """``{seed: {stage: {collection: summarize(...)}}}``: each seed's finished warm-up and RL policy evaluated
-    with ``k`` samples a held-out query at the rollout temperature (``experiments.evaluate --stage``), in
+    with ``k`` samples a dev query at the rollout temperature (``experiments.evaluate --stage``), in
     ``<out>/seed_<s>/sampled_<stage>_k<k>`` (an evaluation already written is read, not rerun)."""
     from mtrl_jax.evaluate import STAGES
 
@@ -121,13 +125,13 @@ def report_sampled(found: dict, k: int) -> None:
     """The warmed-up and RL policies as RL samples them, per collection: the rows, and RL's change."""
     names = sorted({name for stages in found.values() for results in stages.values() for name in results})
     for name in names:
-        print(f"\n### {name}, sampled: {k} samples a held-out query at the rollout temperature\n")
+        print(f"\n### {name}, sampled: {k} samples a dev query at the rollout temperature\n")
         print("| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |")
         print("|---|---|---|---|---|---|")
         for label, stage in (("warmed up", "warmup"), ("after RL", "rl")):
             print_rows(label, [(seed, stages[stage][name]) for seed, stages in found.items()])
         gains = [stages["rl"][name]["ndcg@10"] - stages["warmup"][name]["ndcg@10"] for stages in found.values()]
-        print(f"\nRL over the warmed-up policy, sampled: {mean_std(gains)} nDCG@10")
+        print(f"\nRL over the warmed-up policy, sampled: {mean_ci(gains)} nDCG@10")
 
 
 def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict) -> None:
@@ -143,7 +147,7 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
     after_scores = {seed: task_scores(path) for seed, path in after_paths.items() if path.exists()}
     header = "| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |"
     for name, base in baselines.items():
-        print(f"\n### {name} ({base['queries']} held-out queries)\n")
+        print(f"\n### {name} ({base['queries']} dev queries)\n")
         print(f"one search: BM25 {base['bm25']:.3f}, dense {base['dense']:.3f}, fusion {base['fusion']:.3f}\n")
         print(header + "\n|---|---|---|---|---|---|")
         for label, _ in STAGES:
@@ -169,7 +173,7 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
         if gains:
             after = [stages[s]["after RL"][name]["ndcg@10"] for s in seeds if "after RL" in stages[s]]
             print(
-                f"\nRL over the warmed-up policy: {mean_std(gains)} nDCG@10 (>= +0.03: {np.mean(gains) >= 0.03}), "
+                f"\nRL over the warmed-up policy: {mean_ci(gains)} nDCG@10 (>= +0.03: {np.mean(gains) >= 0.03}), "
                 f"failure rate {np.mean(fails):+.3f} (not higher: {np.mean(fails) <= 0}); warmed up / BM25: "
                 f"{np.mean(warm) / max(base['bm25'], 1e-9):.2f} (>= 0.8: {np.mean(warm) >= 0.8 * base['bm25']}); "
                 f"after RL vs the best one search ({best_tool} {best:.3f}): {np.mean(after) - best:+.3f}"
@@ -253,7 +257,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--step_baseline", default="", help="a git revision: time the RL step here and there instead")
     parser.add_argument("--step_collection", default="cranfield", help="with --step_baseline: the collection")
-    parser.add_argument("--step_eval_tasks", type=int, default=4, help="with --step_baseline: held-out queries")
+    parser.add_argument("--step_eval_tasks", type=int, default=4, help="with --step_baseline: dev queries")
     parser.add_argument("--steps", type=int, default=4, help="with --step_baseline: RL steps per run")
     parser.add_argument("--rounds", type=int, default=1, help="with --step_baseline: alternated rounds")
     args, overrides = parser.parse_known_args(argv)

@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 import benchmarks.bench_real_learning as bench
@@ -21,28 +20,34 @@ def test_task_scores_count_a_failure_as_zero(tmp_path):
         bench.task_scores(path)
 
 
+def _interval(line):
+    mean, bracket = line.split("difference ", 1)[1].split(" (n = ")[0].split(" [")
+    lo, hi = (float(x) for x in bracket.rstrip("]").split(", "))
+    return float(mean), lo, hi
+
+
 def test_paired_counts_wins_losses_and_ties_and_brackets_the_mean_difference():
     agent = {"a": 1.0, "b": 0.2, "c": 0.5, "d": 0.5}
     baseline = {"a": 0.4, "b": 0.3, "c": 0.5, "d": 0.5}
     line = bench.paired(agent, baseline)
-    assert line.startswith("1 wins, 1 losses, 2 ties, bootstrap 95% interval ")
-    lo, hi = (float(x) for x in line.rsplit("interval ", 1)[1].split(" to "))
-    mean = np.mean([agent[t] - baseline[t] for t in agent])  # +0.125
-    assert -0.1 <= lo < mean < hi <= 0.6
+    assert line.startswith("1 wins, 1 losses, 2 ties, difference ") and line.endswith(": not resolved")
+    mean, lo, hi = _interval(line)
+    assert mean == pytest.approx(0.125, abs=1e-3) and -0.1 <= lo < mean < hi <= 0.6
     same = bench.paired({"a": 0.3, "b": 0.7}, {"a": 0.1, "b": 0.5})  # every difference +0.2
-    assert same.endswith("interval +0.200 to +0.200")
+    assert _interval(same) == pytest.approx((0.2, 0.2, 0.2)) and same.endswith(": separated")
     with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
         bench.paired({"a": 1.0, "c": 0.0}, {"a": 1.0})
 
 
-def test_paired_over_seeds_compares_each_querys_mean_over_the_seeds():
+def test_paired_over_seeds_resamples_the_seeds_and_the_queries():
     seeds = [{"a": 1.0, "b": 0.0, "c": 0.5}, {"a": 0.0, "b": 0.0, "c": 0.5}, {"a": 1.0, "b": 0.6, "c": 0.5}]
     baseline = {"a": 0.5, "b": 0.2, "c": 0.5}
     # per-query means 2/3, 0.2, 0.5: a win, a tie and a tie, whatever each seed did alone
     line = bench.paired(seeds, baseline)
-    assert line.startswith("1 wins, 0 losses, 2 ties, bootstrap 95% interval ")
-    lo, hi = (float(x) for x in line.rsplit("interval ", 1)[1].split(" to "))
-    assert lo == 0.0 and abs(hi - 1 / 6) < 1e-3  # resampled queries: the mean is between 0 and (2/3 - 1/2)
+    assert line.startswith("1 wins, 0 losses, 2 ties, difference ") and "(n = 3 seeds x 3 queries)" in line
+    mean, lo, hi = _interval(line)
+    # two-way: a resample can draw seed 1 (a loss on query a) three times
+    assert mean == pytest.approx(1 / 18, abs=1e-3) and lo < 0 < hi
     assert bench.paired([seeds[0]], baseline) == bench.paired(seeds[0], baseline)
     with pytest.raises(ValueError, match="queries differ: \\['c'\\]"):
         bench.paired([seeds[0], {"a": 1.0, "b": 0.0}], baseline)
@@ -68,7 +73,8 @@ def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_
     assert found[1]["rl"]["scifact"]["ndcg@10"] == 0.73
     bench.report_sampled(found, 4)
     out = capsys.readouterr().out
-    assert "### scifact, sampled: 4 samples a held-out query at the rollout temperature" in out
+    assert "### scifact, sampled: 4 samples a dev query at the rollout temperature" in out
     assert "| after RL | 1 | 0.730 | 0.25 (turn_token_limit 0.25) | 3.00 | bm25 1.00; repeated 0.00 |" in out
-    assert "| warmed up | mean ± std | 0.745 ± 0.005 |" in out
-    assert "RL over the warmed-up policy, sampled: -0.030 ± 0.020 nDCG@10" in out
+    # two seeds: Student's t with one degree of freedom, 0.745 +- 12.706 x 0.005
+    assert "| warmed up | mean [95% CI] | 0.745 [0.681, 0.809] (n = 2 seeds) |" in out
+    assert "RL over the warmed-up policy, sampled: -0.030 [-0.284, 0.224] (n = 2 seeds) nDCG@10" in out
