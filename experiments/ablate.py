@@ -268,7 +268,8 @@ def report(ablation: Ablation, started: float) -> dict:
 def markdown(results: dict) -> str:
     arms, pairs = results["arms"], results["pairs"]
     any_arm = next(iter(arms.values()))
-    n = f"{any_arm['n']['seeds']} seeds x {any_arm['n']['queries']} dev queries"
+    seeds = any_arm["n"]["seeds"]
+    n = f"{seeds} seed{'s' if seeds != 1 else ''} x {any_arm['n']['queries']} dev queries"
     lines = [
         f"Dev nDCG@10 after RL (failures 0), mean and 95% interval over {n}; before RL: the shared warm-up.",
         "",

@@ -1,0 +1,109 @@
+"""An ablation that resolves: losses x advantage estimators on the embedded default, the arms of a seed
+sharing its warm-up (``experiments.ablate``), against the same runs without sharing.
+
+    python -m benchmarks.bench_ablation --out /work/runs/bench_ablation [--seeds 0,1,2,3,4] [--unshared 1]
+
+Runs ``python -m experiments.ablate --config=configs/default.py --grid rl.loss=ppo,cispo,is
+--grid rl.advantage=grpo,rloo,grpo_passk --seeds ...`` (resumable: a finished arm or warm-up is not rerun),
+timing it. Without sharing, each of the arm-seeds would be a standalone ``experiments.run``: its warm-up and
+its RL. Its time is the arm's own wall time plus that of the warm-up it started from (both recorded by the
+runs); ``--unshared k`` also runs k of them standalone (the first arms of the last seed), so that this sum is
+checked against real standalone runs, side by side. Prints the minutes of both, their ratio, and the
+ablation's verdicts: the pairs it separates, or the widest paired interval (an equivalence result when every
+pair's interval is narrower than +-0.03).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+from benchmarks.common import REPO, machine_line, ratio
+from experiments.ablate import cell_name, parse_grid, parse_seeds
+from experiments.sweep import timed_run
+
+GRID = ("rl.loss=ppo,cispo,is", "rl.advantage=grpo,rloo,grpo_passk")
+EQUIVALENCE = 0.03  # half-width under which every pair's interval is an equivalence result
+
+
+def wall(workdir: pathlib.Path) -> float:
+    path = workdir / "wall_seconds.txt"
+    return float(path.read_text()) if path.exists() else float("nan")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="workdirs/bench_ablation")
+    parser.add_argument("--config", default="configs/default.py")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--grid", action="append", default=None, help=f"default: {' '.join(GRID)}")
+    parser.add_argument("--unshared", type=int, default=1, help="arm-seeds also run standalone (timed)")
+    args, overrides = parser.parse_known_args(argv)
+    out = pathlib.Path(args.out)
+    grid_args = args.grid or list(GRID)
+    seeds = parse_seeds(args.seeds)
+    print(machine_line(peak=False), flush=True)
+    cmd = [sys.executable, "-m", "experiments.ablate", f"--config={args.config}", f"--seeds={args.seeds}"]
+    cmd += [f"--out={out / 'shared'}", *[f"--grid={g}" for g in grid_args], *overrides]
+    start = time.perf_counter()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    invocation = time.perf_counter() - start
+    results = json.loads((out / "shared" / "results.json").read_text())
+
+    arms_s = sum(r["wall_seconds"] for r in results["arms"].values())
+    warmups_s = results["warmups"]["wall_seconds"]
+    shared_s = arms_s + warmups_s
+    # each arm-seed without sharing: its own warm-up (the one it started from) and its RL
+    warmup_of = {p.name: wall(p) for p in (out / "shared" / "warmups").glob("seed_*")}
+    per_seed_warmup = {}
+    for name, s in warmup_of.items():
+        per_seed_warmup.setdefault(int(name.split("-")[0].removeprefix("seed_")), []).append(s)
+    cells = [tuple(zip([f for f, _ in parse_grid(grid_args)], v)) for v in _product(parse_grid(grid_args))]
+    # one warm-up per seed here (the grid reads no warm-up field): every arm-seed would train it again
+    unshared_s = arms_s + len(cells) * sum(sum(per_seed_warmup.get(seed, [float("nan")])) for seed in seeds)
+    print(
+        f"\nshared: {shared_s / 60:.1f} min for {len(cells) * len(seeds)} arm-seeds "
+        f"({warmups_s / 60:.1f} min of {len(warmup_of)} warm-ups, {arms_s / 60:.1f} min of arms; this invocation "
+        f"{invocation / 60:.1f} min)"
+    )
+    print(f"unshared (each arm-seed its own warm-up): {unshared_s / 60:.1f} min")
+    print(f"shared / unshared: {shared_s / unshared_s:.3f} (target <= 0.4); shared within 150 min: {shared_s <= 9000}")
+
+    for cell in cells[: args.unshared]:  # standalone runs, timed, against the sum they are estimated by
+        seed = seeds[-1]
+        workdir = out / "unshared" / cell_name(cell) / f"seed_{seed}"
+        if not (workdir / "summary.json").exists():
+            run = [sys.executable, "-m", "experiments.run", f"--config={args.config}", f"--workdir={workdir}"]
+            run += [f"--config.seed={seed}", "--config.log.progress=False", *[f"--config.{f}={v}" for f, v in cell]]
+            timed_run([*run, *overrides], workdir / "wall_seconds.txt", REPO)
+        arm = out / "shared" / cell_name(cell) / f"seed_{seed}"
+        estimate = wall(arm) + sum(per_seed_warmup[seed])
+        print(
+            f"standalone {cell_name(cell)} seed {seed}: {wall(workdir) / 60:.1f} min measured, "
+            f"{estimate / 60:.1f} min estimated (warm-up + arm): {ratio(wall(workdir), estimate)}"
+        )
+
+    pairs = results["pairs"]
+    separated = [p for p in pairs if p["separated"]]
+    widest = max((p["ci95"][1] - p["ci95"][0]) / 2 for p in pairs)
+    print(f"\n{(out / 'shared' / 'results.md').read_text()}")
+    if separated:
+        print(f"verdict: {len(separated)} of {len(pairs)} pairs separated")
+    elif widest < EQUIVALENCE:
+        print(f"verdict: no pair separated, every paired interval narrower than +-{EQUIVALENCE}: equivalent arms")
+    else:
+        print(f"verdict: not resolved (no pair separated; the widest paired half-width is {widest:.4f})")
+
+
+def _product(grid):
+    import itertools
+
+    return itertools.product(*[values for _, values in grid])
+
+
+if __name__ == "__main__":
+    main()
