@@ -69,7 +69,7 @@ def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_
         where = tmp_path / f"seed_{seed}" / f"sampled_{stage}_k4"
         where.mkdir(parents=True)
         (where / "eval.json").write_text(json.dumps({"scifact": summary(ndcg, 0.25 if seed else 0.0)}))
-    found = bench.sampled_evaluations("configs/real_cpu_scifact.py", [0, 1], tmp_path, [], 4)
+    found = bench.sampled_evaluations("configs/real_cpu.py", [0, 1], tmp_path, [], 4)
     assert found[1]["rl"]["scifact"]["ndcg@10"] == 0.73
     bench.report_sampled(found, 4)
     out = capsys.readouterr().out
