@@ -52,6 +52,12 @@ def test_every_benchmark_has_its_row_in_the_results():
         assert (README.parent / link).exists(), link
 
 
+def test_reported_figures_are_intervals_not_spreads():
+    """The README and docs/results.md give means with 95% intervals and n (docs/ablations.md), never "±"."""
+    for path in (README, README.parent / "docs" / "results.md"):
+        assert "±" not in path.read_text(), f"{path.name}: a '±' figure (report a 95% interval and n)"
+
+
 def test_ci_runs_exactly_the_readmes_test_command():
     quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```bash\n(.*?)\n```", quick_start, re.DOTALL)
