@@ -303,13 +303,14 @@ def _lock(path: pathlib.Path, what: str):
 class WorkdirLock:
     """Exclusive ``flock`` s for the life of a run: on ``<workdir>/run.lock`` (seen by every machine that
     shares the file system) and on a file of this machine's temporary directory named after the work
-    directory's absolute path, which deleting the work directory does not remove: a second run on the same
+    directory's resolved path (links and ``..`` followed: every spelling of one directory is one lock), which
+    deleting the work directory does not remove: a second run on the same
     path fails at once, naming the holder, even after an ``rm -rf`` of the directory under the first. The
     kernel drops the locks of a killed process, so stale lock files are simply taken over. In a
     multi-process run the primary process holds them for all of them."""
 
     def __init__(self, workdir: pathlib.Path):
-        workdir = pathlib.Path(workdir).absolute()
+        workdir = pathlib.Path(workdir).resolve()  # LINK/wd, wd/../x/../wd and wd: one directory, one lock
         self.path = workdir / "run.lock"
         key = hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
         self.local = pathlib.Path(tempfile.gettempdir()) / f"mtrl_jax-locks-{os.getuid()}" / f"{key}.lock"

@@ -811,6 +811,11 @@ def test_fault_4_a_deleted_checkpoints_folder_or_workdir_never_lets_two_runs_wri
         shutil.rmtree(workdir)  # rm -rf of the live run's directory
         with pytest.raises(WorkdirInUse, match=rf"the work directory .*run is in use by pid {holder.pid}"):
             WorkdirLock(workdir).acquire()
+        # another spelling of the same path: through a link to its parent, or with detours (issue 71, item 1)
+        (tmp_path / "link").symlink_to(tmp_path, target_is_directory=True)
+        for spelling in (tmp_path / "link" / "run", workdir / ".." / "x" / ".." / "run"):
+            with pytest.raises(WorkdirInUse, match=f"in use by pid {holder.pid}"):
+                WorkdirLock(spelling).acquire()
     finally:
         holder.kill()
         holder.wait()
