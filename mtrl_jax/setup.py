@@ -292,6 +292,37 @@ def build_chat(
 # ----------------------------------------------------------------------------- model and update
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+MIN_LORA_SCALE = 1e-4  # lora_alpha / lora_rank below this: the adapters' output is rounded away (a no-op)
+
+
+def check_model_fields(config) -> None:
+    """The model fields no range covers, refused naming the field before any data or file is touched: the
+    dtypes, LoRA targets named twice (each projection has one adapter; export would fold a repeated one
+    twice), a LoRA scale that makes training a no-op, and a rank above the tiny model's hidden size."""
+    m = config.model
+    for field in ("dtype", "param_dtype"):
+        if m[field] not in DTYPES:
+            raise ValueError(f"model.{field}={m[field]!r}: expected one of {DTYPES}")
+    targets = csv(m.lora_targets)
+    repeated = sorted({t for t in targets if targets.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"model.lora_targets={m.lora_targets!r} names {repeated} more than once: each projection has one adapter"
+        )
+    if m.lora_rank:
+        if m.lora_alpha / m.lora_rank < MIN_LORA_SCALE:
+            raise ValueError(
+                f"model.lora_alpha={m.lora_alpha!r} with model.lora_rank={m.lora_rank} scales the adapters by "
+                f"{m.lora_alpha / m.lora_rank:.3g} < {MIN_LORA_SCALE}: their output rounds away and training is a no-op"
+            )
+        if not m.checkpoint and m.lora_rank > m.tiny_hidden:
+            raise ValueError(
+                f"model.lora_rank={m.lora_rank} is above the model's hidden size model.tiny_hidden={m.tiny_hidden}: "
+                "a rank past the smaller side of a projection adds nothing (a checkpoint's size is checked at load)"
+            )
+
+
 def build_model(config, vocab_size: int, mesh) -> tuple[ModelConfig, Any, Any]:
     """``(model config, frozen parameters, trainable parameters)``: an HF checkpoint or the tiny model; with
     ``model.lora_rank > 0`` the base is frozen and fresh adapters train (``model/lora.py``), else every
@@ -594,6 +625,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     """Every component of a run of ``config`` whose files live in ``workdir``."""
     workdir = pathlib.Path(workdir)
     ranges.check(config)  # every numeric field in its range, before anything else
+    check_model_fields(config)
     use_compilation_cache(config)
     update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
     collector_cfg = collector_config(config)

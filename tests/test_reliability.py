@@ -357,6 +357,13 @@ def _config(**overrides):
         ("warmup.learning_rate", float("nan"), "warmup.learning_rate=nan is out of range"),
         ("rollout.temperature", -0.5, "rollout.temperature=-0.5 is out of range"),
         ("search.remote_max_failures", 0, "search.remote_max_failures=0 is out of range"),
+        # the third round (issue 71, items 4, 14, 15)
+        (
+            "model.lora_targets",
+            "q,q,down,down",
+            r"model.lora_targets='q,q,down,down' names \['down', 'q'\] more than once",
+        ),
+        ("model.dtype", "bf16", r"model.dtype='bf16': expected one of \('float32', 'bfloat16', 'float16'\)"),
     ],
 )
 def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, message):
@@ -366,6 +373,22 @@ def test_bad_configuration_values_fail_before_any_work(tmp_path, path, value, me
     with pytest.raises(ValueError, match=message):
         build(_config(**{path: value}), tmp_path)
     assert time.perf_counter() - start < 5 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"model.lora_rank": 8, "model.lora_alpha": 1e-30}, r"scales the adapters by 1.25e-31 < 0.0001"),
+        ({"model.lora_rank": 256}, r"model.lora_rank=256 is above the model's hidden size model.tiny_hidden=128"),
+    ],
+)
+def test_lora_settings_that_make_training_a_no_op_are_refused(tmp_path, fields, message):
+    """Issue 71, item 14: accepted before, each trained nothing (a zero adapter gradient, a rank past the width)."""
+    from mtrl_jax.setup import build
+
+    with pytest.raises(ValueError, match=message):
+        build(_config(**fields), tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_every_numeric_field_of_every_config_has_a_range():

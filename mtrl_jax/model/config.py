@@ -92,6 +92,10 @@ class ModelConfig:
             raise ValueError(f"real_vocab_size={self.real_vocab_size} must be in [0, vocab_size={self.vocab_size}]")
         if self.lora_rank and not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ValueError(f"lora_targets names a projection more than once: {self.lora_targets}")
+        if self.lora_rank > self.hidden_size:
+            raise ValueError(f"lora_rank={self.lora_rank} is above the hidden size {self.hidden_size}")
 
     @property
     def valid_vocab(self) -> int:
