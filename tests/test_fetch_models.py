@@ -79,3 +79,18 @@ def test_tensor_names():
     assert fetch_models.hf_name("output.weight") == "lm_head.weight"
     with pytest.raises(ValueError, match="rope_freqs.weight"):
         fetch_models.hf_name("rope_freqs.weight")
+
+
+def test_a_directory_holding_anything_else_is_refused_and_kept(tmp_path):
+    """Issue 71, item 7: ``--out`` over another model and a notes file used to be wiped, rc 0."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "fetch.json").write_text(json.dumps({"gguf_sha256": "another model", "dtype": "float32"}))
+    for held in ("an earlier fetch of another model", None):
+        if held is None:
+            (out / "fetch.json").unlink()
+            held = "files that are not an earlier fetch of this model"
+        with pytest.raises(ValueError, match=f"holds {held} .*nothing was deleted"):
+            fetch_models.fetch("smollm2-135m-instruct", out, tmp_path / "cache")
+        assert (out / "notes.txt").read_text() == "mine" and not (tmp_path / "cache").exists()

@@ -352,8 +352,35 @@ def convert(gguf_path: pathlib.Path, source: Source, out: pathlib.Path, dtype: s
         )
         + "\n"
     )
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if out.exists():  # an earlier fetch of this model (check_out): swapped out, then deleted
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
+def check_out(out: pathlib.Path, source: Source) -> None:
+    """``--out`` must be new, empty, or an earlier fetch of the same model (then rewritten, in another dtype):
+    anything else in it (another model, the user's files) is never deleted."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    record = out / "fetch.json"
+    try:
+        earlier = json.loads(record.read_text()).get("gguf_sha256") if record.exists() else None
+    except ValueError:
+        earlier = None
+    if earlier != source.sha256:
+        held = sorted(p.name for p in out.iterdir())
+        what = "an earlier fetch of another model" if earlier else "files that are not an earlier fetch of this model"
+        raise ValueError(
+            f"--out {out} holds {what} ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): nothing was "
+            "deleted; give a new or empty directory"
+        )
 
 
 def fetch(model: str, out: pathlib.Path, cache: pathlib.Path, dtype: str = "float32") -> pathlib.Path:
@@ -366,6 +393,7 @@ def fetch(model: str, out: pathlib.Path, cache: pathlib.Path, dtype: str = "floa
         if done.get("gguf_sha256") == source.sha256 and done.get("dtype") == dtype:
             print(f"{out}: already written from {source.description}", flush=True)
             return out
+    check_out(out, source)
     gguf_path = assemble_gguf(model, source, cache)
     print(f"{gguf_path.name}: sha256 verified; converting to {out}", flush=True)
     convert(gguf_path, source, out, dtype)
