@@ -264,19 +264,33 @@ def check_run_config(workdir: pathlib.Path, config) -> None:
     """``<workdir>/config.json``: written when the run starts (no checkpoint yet); on a resume, a model or
     ``rl.kl_coef`` setting that differs from it is a ``CheckpointError`` naming the field and both values."""
     path = pathlib.Path(workdir) / "config.json"
-    now = json.loads(config.to_json_best_effort())
     resuming = any(p.name.isdigit() for p in (pathlib.Path(workdir) / "checkpoints").glob("*"))
     if resuming and path.exists():
-        then = flatten(json.loads(path.read_text()), sep=".")
-        for field, value in flatten(now, sep=".").items():
-            if field.startswith(RUN_DEFINING) and field not in RUNTIME_ONLY and then.get(field, value) != value:
-                raise CheckpointError(
-                    f"{path}: this run started with {field}={then[field]!r}, not {value!r}; "
-                    "resume it with the same setting or use a new --workdir"
-                )
+        _compare_run_config(path, config, RUN_DEFINING, "resume it with the same setting or use a new --workdir")
     elif distributed.is_primary():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(now, indent=2, sort_keys=True))
+        path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True))
+
+
+# what a read-only tool (evaluation, export) must take as the run had it: the model and how its trees were trained
+READ_DEFINING = ("model.", "warmup.train_base", "warmup.steps")
+
+
+def check_saved_config(workdir: pathlib.Path, config, tool: str) -> None:
+    """For a tool that reads a trained work directory (``tool``: its name): every setting that defines the saved
+    trees (``READ_DEFINING``) must be the run's, read from ``<workdir>/config.json``; a conflicting flag is a
+    ``CheckpointError`` naming the field, both values and the file. Nothing is written."""
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing, so the run's settings cannot be checked; {tool} refuses to guess")
+    _compare_run_config(path, config, READ_DEFINING, f"give {tool} the run's setting (its config and --config flags)")
+
+
+def _compare_run_config(path: pathlib.Path, config, defining: tuple, advice: str) -> None:
+    then = flatten(json.loads(path.read_text()), sep=".")
+    for field, value in flatten(json.loads(config.to_json_best_effort()), sep=".").items():
+        if field.startswith(defining) and field not in RUNTIME_ONLY and then.get(field, value) != value:
+            raise CheckpointError(f"{path}: this run started with {field}={then[field]!r}, not {value!r}; {advice}")
 
 
 class WorkdirInUse(RuntimeError):

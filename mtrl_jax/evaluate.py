@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from mtrl_jax import distributed, rng, stats
-from mtrl_jax.checkpoint import Checkpoints, abstract_state
+from mtrl_jax.checkpoint import Checkpoints, abstract_state, check_saved_config
 from mtrl_jax.metrics import summarize, trajectory_score, write_trajectories
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import PublishedParams
@@ -315,6 +315,7 @@ def trained_policy(config, workdir, stage: str = "rl"):
         raise FileNotFoundError(f"{workdir}: not a training work directory (no {workdir / 'checkpoints'})")
     if stage == "warmup" and not (workdir / "warmup").is_dir():
         raise FileNotFoundError(f"{workdir}: no warm-up was saved here (no {workdir / 'warmup'})")
+    check_saved_config(workdir, config, "the evaluation or export")  # the run's model, before anything is built
     components = build(config, workdir, train_tokenizer_if_missing=False)
     checkpoints = Checkpoints(workdir)
     try:

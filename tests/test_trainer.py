@@ -536,6 +536,21 @@ def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adap
     np.testing.assert_allclose(np.asarray(compute_logits(model, params, tokens)), ours, atol=1e-4)
     adapter = json.loads((tmp_path / "peft/adapter_config.json").read_text())
     assert adapter["r"] == 4 and (tmp_path / "peft/adapter_model.safetensors").exists()
+    # issue 71, item 5: a flag that keeps every shape but not the weights (lora_alpha 16 -> 32) is refused by the
+    # export and the evaluation alike, naming the field; item 8: an output inside the work directory is refused
+    from mtrl_jax.checkpoint import CheckpointError
+    from mtrl_jax.evaluate import trained_policy
+
+    other = [*SMALL, *run, "--config.model.lora_alpha=32"]
+    with pytest.raises(CheckpointError, match=r"config.json: this run started with model.lora_alpha=16.0, not 32.0"):
+        export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "other"), *other])
+    with pytest.raises(CheckpointError, match="model.lora_alpha=16.0, not 32.0"):
+        trained_policy(load_config("configs/default.py", other), tmp_path / "run")
+    config_json = (tmp_path / "run" / "config.json").read_text()
+    for inside in (tmp_path / "run", tmp_path / "run" / "export"):
+        with pytest.raises(ValueError, match="is inside the work directory"):
+            export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(inside), *SMALL, *run])
+    assert (tmp_path / "run" / "config.json").read_text() == config_json
 
 
 @pytest.mark.slow
@@ -556,6 +571,11 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
     assert "resumed from" in out
     assert straight.wait(timeout=900) == 0, straight.stdout.read()[-3000:]
     config = load_config("configs/default.py", [*SMALL, *run, "--config.max_steps=2"])
+    from tools import export_hf  # issue 71, item 6: PEFT adapters would name the original base, not the warmed-up one
+
+    with pytest.raises(ValueError, match="--peft: with warmup.train_base the adapters were trained over the warmed-up"):
+        export_hf.export(config, tmp_path / "run", tmp_path / "peft", peft=True)
+    assert not (tmp_path / "peft").exists()
     c, trained = trained_policy(config, tmp_path / "run")
     initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).updater.frozen
     _, warm = trained_policy(config, tmp_path / "run", stage="warmup")  # the warmed-up base, fresh adapters

@@ -30,6 +30,16 @@ def export(config, workdir, out, peft: bool = False) -> pathlib.Path:
     from mtrl_jax.model.transformer import Transformer
 
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
+    if out.resolve() == workdir.resolve() or workdir.resolve() in out.resolve().parents:
+        raise ValueError(
+            f"--out {out} is inside the work directory {workdir}: its files (config.json) would be overwritten"
+        )
+    if peft and config.warmup.steps and config.warmup.train_base:
+        raise ValueError(
+            "--peft: with warmup.train_base the adapters were trained over the warmed-up base, not over "
+            f"{config.model.checkpoint or 'the initial model'}; PEFT would load them over the wrong base. Export the "
+            "merged policy instead (without --peft)"
+        )
     components, params = trained_policy(config, workdir)
     cfg = components.model_cfg
     if peft:
