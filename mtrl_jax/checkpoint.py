@@ -130,9 +130,11 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, state: TrainState, record: RunRecord) -> None:
-        """Write checkpoint ``record.rl_step`` and wait until it is on disk (refused when a parameter is not
-        finite: no checkpoint holds a broken policy)."""
+        """Write checkpoint ``record.rl_step`` and wait until it is on disk (refused when a parameter or a value
+        of the optimizer state is not finite: no checkpoint holds a broken policy, nor Adam moments that would
+        freeze it once resumed)."""
         check_finite(state.params, f"checkpoint {record.rl_step} (not written)")
+        check_finite(state.opt_state, f"checkpoint {record.rl_step} (not written): the optimizer state's")
         ensure_space(state, self.workdir, f"checkpoint {record.rl_step}")
         self.manager.save(
             record.rl_step,
@@ -226,8 +228,9 @@ class Checkpoints:
 
     def save_warmup(self, params, opt_state, step: int, rng_state: dict, losses: list) -> None:
         """The supervised warm-up's progress (``<workdir>/warmup``), replaced atomically (refused when a
-        parameter is not finite)."""
+        parameter or a value of its optimizer state is not finite)."""
         check_finite(params, f"{self.warmup_path} at warm-up step {step} (not written)")
+        check_finite(opt_state, f"{self.warmup_path} at warm-up step {step} (not written): the optimizer state's")
         ensure_space((params, opt_state), self.workdir, f"{self.warmup_path} at warm-up step {step}")
         tmp = self.workdir / "warmup.tmp"
         checkpointer = ocp.StandardCheckpointer()

@@ -754,6 +754,14 @@ def test_fault_2_nothing_non_finite_is_written(tmp_path):
             checkpoints.save_reference(_state(value).params)
         with pytest.raises(CheckpointError, match=r"warmup at warm-up step 7 \(not written\)"):
             checkpoints.save_warmup(_state(value).params, {}, 7, {}, [])
+    # issue 71, item 10: finite parameters with infinite Adam moments (huge gradients, optim.grad_clip=0)
+    moments = _state(1.0)._replace(opt_state={"mu": jnp.full((2, 3), jnp.inf)})
+    with pytest.raises(
+        CheckpointError, match=r"\(not written\): the optimizer state's: tensor \['mu'\] holds non-finite"
+    ):
+        checkpoints.save(moments, RunRecord(rl_step=1))
+    with pytest.raises(CheckpointError, match=r"warm-up step 7 \(not written\): the optimizer state's: tensor"):
+        checkpoints.save_warmup(moments.params, moments.opt_state, 7, {}, [])
     checkpoints.close()
     assert not any((tmp_path / "checkpoints").iterdir()) and not (tmp_path / "reference").exists()
     assert not (tmp_path / "warmup").exists()
