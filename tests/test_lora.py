@@ -221,3 +221,21 @@ def test_an_update_moves_the_adapters_only():
     assert min(moved(state.params).values()) > 0
     full = updater.full(state.params)
     assert full["embed"] is frozen["embed"]  # the base is the very same arrays
+
+
+def test_merging_into_a_bfloat16_base_keeps_an_update_below_its_rounding():
+    """Issue 71, item 11: a bfloat16 merge rounded small trained updates away, so the export was not the trained
+    policy. The merge is float32: the adapted policy's logits, to float32 rounding."""
+    cfg = CFG.replace(param_dtype="bfloat16")
+    frozen, adapters = _params(cfg, b_scale=1e-4)  # deltas far below a bfloat16 weight's rounding step
+    assert jax.tree.leaves(frozen)[0].dtype == jnp.bfloat16
+    merged_cfg, merged = lora.merged_weights(cfg, lora.merge(frozen, adapters))
+    assert merged_cfg.param_dtype == "float32" and merged_cfg.lora_rank == 0
+    q = merged["layers"]["attn"]["q_proj"]
+    base = frozen["layers"]["attn"]["q_proj"].astype(jnp.float32)
+    assert q.dtype == jnp.float32 and float(jnp.abs(q - base).max()) > 0  # the update is there
+    tokens = jnp.asarray([[1, 5, 9, 3, 7, 2]])
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+    adapted = compute_logits(Transformer(cfg.replace(param_dtype="float32")), f32(lora.merge(frozen, adapters)), tokens)
+    exported = compute_logits(Transformer(merged_cfg), merged, tokens)
+    np.testing.assert_allclose(np.asarray(exported), np.asarray(adapted), atol=1e-5)

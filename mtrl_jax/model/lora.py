@@ -113,19 +113,20 @@ def delta(cfg: ModelConfig, target: str, a: jax.Array, b: jax.Array) -> jax.Arra
 
 def merged_weights(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
     """``(the base config, its parameters with every adapter folded in: W + (alpha / r) A B)``, for an HF
-    export (``save_hf_checkpoint``) that transformers reloads as a plain model."""
+    export (``save_hf_checkpoint``) that transformers reloads as a plain model. The export is float32
+    whatever the base's dtype: a trained update below a bfloat16 weight's rounding step (about 1/256 of it)
+    would be rounded away in a bfloat16 merge, and the export would not be the trained policy."""
     frozen, adapters = split(params)
     if not adapters or not cfg.lora_rank:
         return cfg, params
-    out = jax.tree.map(lambda x: x, frozen)  # new dicts, same arrays
+    out = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
     layers = adapters["layers"]
     for target in cfg.lora_targets:
         module = _MODULE[target]
         name = "down_proj" if target == "down" else f"{target}_proj"
         a, b = layers[module][f"{name}_lora_a"], layers[module][f"{name}_lora_b"]
-        base = out["layers"][module][name]
-        out["layers"][module][name] = (base.astype(jnp.float32) + delta(cfg, target, a, b)).astype(base.dtype)
-    return cfg.replace(lora_rank=0), out
+        out["layers"][module][name] = out["layers"][module][name] + delta(cfg, target, a, b)
+    return cfg.replace(lora_rank=0, param_dtype="float32"), out
 
 
 def save_peft_adapters(cfg: ModelConfig, params: dict, path: os.PathLike, base_model: Optional[str] = None) -> None:
