@@ -206,6 +206,18 @@ def tokenizer_seed_texts(tool_names: Sequence[str], copies: int = 50) -> list[st
     return texts * copies
 
 
+def load_tokenizer(path: os.PathLike) -> Tokenizer:
+    """A ``tokenizer.json``; a missing, truncated or malformed file is an error that names it (the tokenizers
+    library's own message names no file)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such tokenizer file")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a bad file
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from e
+
+
 @dataclasses.dataclass
 class ChatFormat:
     """Renders messages to token ids with an HF ``tokenizers`` tokenizer.
@@ -230,7 +242,7 @@ class ChatFormat:
 
     @classmethod
     def from_file(cls, path: os.PathLike, assistant_prefix: str = "") -> "ChatFormat":
-        return cls(Tokenizer.from_file(str(path)), assistant_prefix)
+        return cls(load_tokenizer(path), assistant_prefix)
 
     @property
     def vocab_size(self) -> int:
@@ -405,7 +417,7 @@ class TemplateChat(ChatFormat):
         if not isinstance(template, str) or not template:
             raise ValueError(f"{config_file}: no chat_template")
         variables = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-        return cls(Tokenizer.from_file(str(directory / "tokenizer.json")), template=template, variables=variables)
+        return cls(load_tokenizer(directory / "tokenizer.json"), template=template, variables=variables)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         tools = None

@@ -953,3 +953,18 @@ def test_fault_5_ctrl_c_saves_a_checkpoint_as_sigterm_does(tmp_path):
     assert step >= 1 and (tmp_path / "checkpoints" / str(step)).is_dir()
     logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, step + 1))
+
+
+def test_a_truncated_tokenizer_file_is_named(tmp_path):
+    """Issue 71, item 15: a truncated ``tokenizer.json`` gave "EOF while parsing an object", naming no file."""
+    from mtrl_jax.chat import ChatFormat, train_tokenizer
+
+    whole = tmp_path / "tokenizer.json"
+    train_tokenizer(["a few words to learn from"] * 4, 300).save(str(whole))
+    cut = tmp_path / "cut" / "tokenizer.json"
+    cut.parent.mkdir()
+    cut.write_text(whole.read_text()[:200])
+    with pytest.raises(ValueError, match=f"{cut}: not a readable tokenizer.json .*EOF while parsing"):
+        ChatFormat.from_file(cut)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'none.json'}: no such tokenizer file"):
+        ChatFormat.from_file(tmp_path / "none.json")
