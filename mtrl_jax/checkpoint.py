@@ -51,6 +51,12 @@ def _nonfinite_counts(leaves):
     return [jnp.sum(~jnp.isfinite(x)) for x in leaves]
 
 
+# what a damaged checkpoint raises while restoring (each of the fault drill's five kinds of damage): a file gone
+# (FileNotFoundError; Orbax's KeyError for a missing item), cut short or garbled (ValueError, JSONDecodeError
+# included, and tensorstore's read errors)
+DAMAGE = (FileNotFoundError, KeyError, ValueError)
+
+
 def check_finite(tree, what: str) -> None:
     """Raise ``CheckpointError`` naming the first leaf of ``tree`` with a NaN or an infinity. Counted
     on the devices (shards stay where they are; with several processes every one takes part)."""
@@ -145,10 +151,13 @@ class Checkpoints:
         )
         self.manager.wait_until_finished()
 
-    def restore(self, like: TrainState) -> Optional[tuple[TrainState, RunRecord]]:
+    def restore(self, like: TrainState, read_only: bool = False) -> Optional[tuple[TrainState, RunRecord]]:
         """The newest checkpoint that restores completely onto the shapes, dtypes and shardings of
         ``like`` (arrays or ``jax.ShapeDtypeStruct``); ``None`` when there is none at all. A damaged
-        checkpoint is skipped with a warning naming it; if none restores, ``CheckpointError``."""
+        checkpoint (``DAMAGE``: a file missing, truncated or garbled) is skipped with a warning naming it, and
+        moved to ``damaged/`` once an older one restores, unless ``read_only`` (an evaluation, an export: they
+        never move a checkpoint); if none restores, ``CheckpointError``. Any other error (an I/O error, memory)
+        is no sign of damage: it stops the restore as a ``CheckpointError`` naming the step, nothing moved."""
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
@@ -172,15 +181,21 @@ class Checkpoints:
                 record = RunRecord.from_json(restored["record"], where)
                 if record.rl_step != step:
                     raise ValueError(f"{where}: its run record says RL step {record.rl_step}")
-            except Exception as e:  # noqa: BLE001 - any damage: try the one before
+            except DAMAGE as e:  # a file missing, truncated or garbled: try the one before
                 log.warning(
                     "checkpoint %s is damaged (%s: %s); trying the one before", where, type(e).__name__, str(e)[:300]
                 )
                 failures.append(f"{where}: {type(e).__name__}")
                 continue
+            except Exception as e:  # noqa: BLE001 - said in one line; the checkpoint is left where it is
+                raise CheckpointError(
+                    f"{where} could not be read ({type(e).__name__}: {str(e)[:300]}); this is not a known kind of "
+                    "damage, so no checkpoint was set aside: fix the cause and run again"
+                ) from e
             state = TrainState(**restored["state"])
             check_finite(state.params, where)
-            self._set_aside([s for s in steps if s > step])
+            if not read_only:
+                self._set_aside([s for s in steps if s > step])
             return state, record
         raise CheckpointError(f"no checkpoint of {self.workdir} restores: {'; '.join(failures)}")
 

@@ -332,7 +332,7 @@ def restore_params(workdir: pathlib.Path, components):
     checkpoints = Checkpoints(workdir)
     try:
         like = abstract_state(components.tx, components.params, jax.random.PRNGKey(0))
-        restored = checkpoints.restore(like)
+        restored = checkpoints.restore(like, read_only=True)  # a reader never moves a checkpoint
     finally:
         checkpoints.close()
     if restored is None:

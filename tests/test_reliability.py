@@ -968,3 +968,34 @@ def test_a_truncated_tokenizer_file_is_named(tmp_path):
         ChatFormat.from_file(cut)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'none.json'}: no such tokenizer file"):
         ChatFormat.from_file(tmp_path / "none.json")
+
+
+def test_a_transient_restore_error_stops_and_a_reader_never_moves_a_checkpoint(tmp_path, monkeypatch):
+    """Issue 71, item 9: any exception while restoring (an I/O error, memory) used to mark the newest steps
+    damaged and move them aside; a read-only tool moved them too."""
+    import errno
+
+    from mtrl_jax.checkpoint import CheckpointError, Checkpoints, RunRecord
+
+    checkpoints = Checkpoints(tmp_path)
+    for step in (3, 4):
+        checkpoints.save(_state(float(step)), RunRecord(rl_step=step))
+    checkpoints.close()
+    reader = Checkpoints(tmp_path)
+    real = reader.manager.restore
+
+    def flaky(step, *args, **kwargs):
+        if step == 4:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(step, *args, **kwargs)
+
+    monkeypatch.setattr(reader.manager, "restore", flaky)
+    with pytest.raises(CheckpointError, match=r"checkpoints/4 could not be read \(OSError: .*Input/output error"):
+        reader.restore(_state(0.0))
+    assert (tmp_path / "checkpoints" / "4").is_dir() and not (tmp_path / "damaged").exists()
+    reader.close()
+    _damage(tmp_path / "checkpoints" / "4", "record_garbled")  # real damage, seen by a reader
+    reader = Checkpoints(tmp_path)
+    state, record = reader.restore(_state(0.0), read_only=True)
+    reader.close()
+    assert record.rl_step == 3 and (tmp_path / "checkpoints" / "4").is_dir() and not (tmp_path / "damaged").exists()
