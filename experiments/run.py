@@ -54,6 +54,13 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint step at INFO
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.WARNING)
+    from mtrl_jax.setup import check_config
+
+    try:  # a bad field is said in one line, before the work directory (or anything else) is created
+        check_config(_CONFIG.value)
+    except ValueError as e:
+        logging.getLogger("mtrl_jax").error("stopped: the config: %s", e)
+        sys.exit(2)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
     try:
         trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _STAGE.value)

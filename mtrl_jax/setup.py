@@ -621,6 +621,18 @@ def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
     )
 
 
+def check_config(config) -> None:
+    """Every check a config's own fields allow, with no data, model or file read: ranges, the model fields, the
+    update, the collector, the warm-up and the run (each raises a ``ValueError`` naming its field). The entry
+    points call it before they create anything, ``build`` again."""
+    ranges.check(config)
+    check_model_fields(config)
+    update_cfg = update_config(config)
+    collector_config(config)
+    warmup_settings(config)
+    run_settings(config, update_cfg.rows_per_micro_batch_divisor)
+
+
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
     """Every component of a run of ``config`` whose files live in ``workdir``."""
     workdir = pathlib.Path(workdir)

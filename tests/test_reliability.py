@@ -999,3 +999,14 @@ def test_a_transient_restore_error_stops_and_a_reader_never_moves_a_checkpoint(t
     state, record = reader.restore(_state(0.0), read_only=True)
     reader.close()
     assert record.rl_step == 3 and (tmp_path / "checkpoints" / "4").is_dir() and not (tmp_path / "damaged").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_config_value_is_one_line_and_creates_nothing(tmp_path):
+    """Issue 71, item 16: config errors printed a traceback and left run.lock and config.json behind."""
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.run", f"--workdir={workdir}", "--config.rl.loss=ppoo"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "stopped: the config: rl.loss: unknown loss 'ppoo'" in result.stderr.strip().splitlines()[-1]
+    assert not workdir.exists()
