@@ -222,9 +222,10 @@ def _wall(workdir: pathlib.Path) -> float:
     return float(wall.read_text()) if wall.exists() else 0.0
 
 
-def score_matrix(workdirs) -> tuple[np.ndarray, list[str]]:
-    """``[seeds, queries]`` dev nDCG@10 after RL of the runs ``workdirs`` (the same queries in each)."""
-    scores = [task_scores(w / "trajectories" / "eval_after.jsonl") for w in workdirs]
+def score_matrix(workdirs, stage: str = "after") -> tuple[np.ndarray, list[str]]:
+    """``[seeds, queries]`` dev nDCG@10 of the runs ``workdirs`` (the same queries in each) after RL, or with
+    ``stage="before"`` of the warmed-up policy RL started from."""
+    scores = [task_scores(w / "trajectories" / f"eval_{stage}.jsonl") for w in workdirs]
     ids = sorted(scores[0])
     for w, s in zip(workdirs, scores):
         if sorted(s) != ids:
@@ -241,12 +242,14 @@ def report(ablation: Ablation, started: float) -> dict:
         matrices[name], _ = score_matrix(runs)
         summaries = [json.loads((w / "summary.json").read_text()) for w in runs]
         ci = stats.interval(matrices[name])
+        gain = stats.paired(matrices[name], score_matrix(runs, "before")[0])  # RL over the arm's own warm-up
         arms[name] = {
             "mean": ci.mean,
             "ci95": [ci.low, ci.high],
             "n": {"seeds": ci.seeds, "queries": ci.queries},
             "failure_rate": float(np.mean([s["after"]["failure_rate"] for s in summaries])),
             "before": float(np.mean([s["before"]["ndcg@10"] for s in summaries])),
+            "gain": {"diff": gain.mean, "ci95": [gain.low, gain.high], "separated": gain.excludes_zero},
             "curves": [dev_curve(w) for w in runs],
             "wall_seconds": ablation.arm_wall_seconds(cell),
         }
@@ -273,13 +276,15 @@ def markdown(results: dict) -> str:
     lines = [
         f"Dev nDCG@10 after RL (failures 0), mean and 95% interval over {n}; before RL: the shared warm-up.",
         "",
-        "| arm | nDCG@10 [95% CI] | before RL | failure rate |",
-        "|---|---|---|---|",
+        "| arm | nDCG@10 [95% CI] | before RL | RL gain [95% CI, paired] | failure rate |",
+        "|---|---|---|---|---|",
     ]
     for name, r in arms.items():
+        g = r["gain"]
+        verdict = "separated" if g["separated"] else "not resolved"
         lines.append(
             f"| {name} | {r['mean']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] | {r['before']:.4f} | "
-            f"{r['failure_rate']:.3f} |"
+            f"{g['diff']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}] {verdict} | {r['failure_rate']:.3f} |"
         )
     lines += ["", "| a | b | a - b [95% CI, paired] | verdict |", "|---|---|---|---|"]
     for p in pairs:

@@ -93,7 +93,7 @@ def test_an_ablation_trains_one_warm_up_per_seed_and_its_arms_equal_their_standa
     assert step1[0] == step1[1]
     # the report: per arm mean, interval and n; per pair the paired difference and its verdict
     for r in results["arms"].values():
-        assert set(r) >= {"mean", "ci95", "n"} and r["ci95"][0] <= r["mean"] <= r["ci95"][1]
+        assert set(r) >= {"mean", "ci95", "n", "gain"} and r["ci95"][0] <= r["mean"] <= r["ci95"][1]
         assert r["n"] == {"seeds": 2, "queries": 4}
     (pair,) = results["pairs"]
     assert set(pair) == {"a", "b", "diff", "ci95", "separated"}
