@@ -1010,3 +1010,53 @@ def test_a_bad_config_value_is_one_line_and_creates_nothing(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "stopped: the config: rl.loss: unknown loss 'ppoo'" in result.stderr.strip().splitlines()[-1]
     assert not workdir.exists()
+
+
+def _raw_reply(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_a_server_refusing_every_search_is_a_service_failure_and_odd_requests_get_a_reply(synthetic):
+    """Issue 71, item 3: a server answering 413 to every search was counted as the model's bad arguments (and
+    a success of the service), forever; item 13: a "tool" given as a list, or a Content-Length of "²", got no
+    reply at all."""
+    from mtrl_jax.search.build import make_tools
+    from mtrl_jax.search.server import make_server, serve_in_background
+    from mtrl_jax.search.tools import RemoteSearchTool, ServiceHealth
+
+    tools = {synthetic.name: {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=16))}}
+    servers = [make_server(tools, max_request_bytes=40), make_server(tools)]
+    for server in servers:
+        serve_in_background(server)
+    small, plain = (f"http://127.0.0.1:{s.server_address[1]}/{synthetic.name}" for s in servers)
+    try:
+        health = ServiceHealth(small, max_failures=100)
+        refused = RemoteSearchTool("bm25_search", "d", small, retries=0, health=health)
+        with pytest.raises(Exception, match="HTTP 413") as caught:
+            refused({"query": "a query long enough to pass the forty byte request cap"})
+        assert caught.value.kind == "service_error" and health.in_a_row == 1
+        # the model's own bad argument, found by the server, stays the model's
+        health = ServiceHealth(plain)
+        tool = RemoteSearchTool("bm25_search", "d", plain, retries=0, health=health)
+        with pytest.raises(Exception, match="top_k") as caught:
+            tool.hits("pump", 10_000)
+        assert caught.value.kind == "bad_arguments" and health.in_a_row == 0
+        port = servers[1].server_address[1]
+        for body, headers in (
+            (json.dumps({"tool": ["bm25_search"], "query": "q"}), ""),
+            (json.dumps({"tool": {"a": 1}, "query": "q"}), ""),
+        ):
+            request = f"POST /{synthetic.name}/search HTTP/1.1\r\nContent-Length: {len(body)}\r\n{headers}\r\n{body}"
+            request = request.replace("HTTP/1.1\r\n", "HTTP/1.1\r\nConnection: close\r\n", 1)
+            assert _raw_reply(port, request.encode()).startswith(b"HTTP/1.1 400"), body
+        odd = f"POST /{synthetic.name}/search HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode()
+        assert _raw_reply(port, odd).startswith(b"HTTP/1.1 400")
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -136,7 +136,7 @@ class ToolServer:
         except ValueError:
             raise _Reject(400, f"malformed request line {lines[0][:100]!r}") from None
         raw_length = headers.get("content-length", "0")
-        if not raw_length.isdigit():
+        if not (raw_length.isascii() and raw_length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
             raise _Reject(400, f"invalid Content-Length {raw_length!r}")
         length = int(raw_length)
         if length > self.max_request_bytes:
@@ -182,7 +182,7 @@ def _search(tools: dict, body: bytes) -> tuple[int, dict]:
         if not isinstance(request, dict):
             raise ValueError("body must be a JSON object")
         name = request.get("tool")
-        if name not in tools:
+        if not isinstance(name, str) or name not in tools:
             raise ToolError("unknown_tool", f"unknown tool {name!r}; available: {sorted(tools)}")
         tool = tools[name]
         query = request.get("query")
@@ -194,7 +194,9 @@ def _search(tools: dict, body: bytes) -> tuple[int, dict]:
         return 200, {"results": tool.hits(query, tool.check(query, top_k))}
     except RecursionError:
         return 400, {"error": "the JSON body is nested too deeply"}
-    except (ValueError, ToolError) as e:
+    except ToolError as e:  # about the call's arguments: "kind" tells the client the model's fault from the service's
+        return 400, {"error": str(e), "kind": e.kind}
+    except ValueError as e:
         return 400, {"error": str(e)}
 
 

@@ -110,7 +110,9 @@ class RemoteSearchTool(SearchTool):
     dripped slowly included: a watchdog closes the connection when it passes) and a reply-size cap
     (``max_reply_bytes``); overloaded or failed replies are retried with backoff within the deadline. A call
     that still fails is a ``service_error`` the model sees, and counts on the service's ``ServiceHealth``:
-    too many in a row stop the run. A 4xx reply about the request is the model's ``bad_arguments``."""
+    too many in a row stop the run. Only a 400 whose JSON body says ``"kind": "bad_arguments"`` (the server found
+    the model's query or top_k wrong) is the model's ``bad_arguments``; any other 4xx (413, 401, 403, 404, a body
+    that is not the protocol) is the service refusing the request: a ``service_error``, counted on its health."""
 
     def __init__(
         self,
@@ -191,12 +193,13 @@ class RemoteSearchTool(SearchTool):
                         break
                     self.health.success()
                     return results
-                if status == 404:  # the service lacks this collection: not the model's fault
-                    last_error = f"HTTP 404: {detail}"
+                if 400 <= status < 500 and status not in RETRIED_STATUS:
+                    message = _model_error(status, raw)
+                    if message is not None:  # the server read the call and found the model's arguments wrong
+                        self.health.success()
+                        raise ToolError("bad_arguments", f"{self.name}: {message}")
+                    last_error = f"HTTP {status}: {detail}"  # the service refuses the request: not the model's fault
                     break
-                if 400 <= status < 500 and status not in RETRIED_STATUS:  # the request itself is wrong
-                    self.health.success()
-                    raise ToolError("bad_arguments", f"{self.name}: {detail}")
                 last_error = f"HTTP {status}: {detail}"
                 wait = max(wait, _retry_after(retry_after, self.timeout_s))
             if attempt < self.retries:
@@ -216,6 +219,20 @@ def _shut(sock: socket.socket) -> None:
 
 
 RETRIED_STATUS = (429, 503)  # overloaded: retried with backoff (5xx are retried too)
+
+
+def _model_error(status: int, raw: bytes) -> Optional[str]:
+    """The server's message when a 4xx reply says the model's arguments were wrong (a 400 with the protocol's
+    ``{"error": ..., "kind": "bad_arguments"}``); None for any other refusal."""
+    if status != 400:
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("kind") == "bad_arguments" and isinstance(body.get("error"), str):
+        return body["error"]
+    return None
 
 
 def _retry_after(value: Optional[str], cap: float) -> float:
