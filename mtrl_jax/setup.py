@@ -34,7 +34,7 @@ from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
 from mtrl_jax.rollout.collector import CollectorConfig
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
 from mtrl_jax.rollout.selection import TRUNCATION_MODES, GroupSelector
-from mtrl_jax.search.build import SearchSettings, make_environment
+from mtrl_jax.search.build import SearchSettings, index_description, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.search.tools import check_service
 from mtrl_jax.warmup import ANSWERS, HOP_QUERIES, parse_choices, parse_tool_weights, parse_top_k_weights
@@ -196,8 +196,9 @@ def search_settings(config) -> SearchSettings:
 
 def build_environment(config, collections: Mapping[str, Collection]) -> EnvironmentRouter:
     settings = search_settings(config)
-    if config.search.remote_url:  # a dead server, or one without these collections, is an error now
-        check_service(config.search.remote_url, list(collections), settings.tools)
+    if config.search.remote_url:  # a dead server, one without these collections, or with other ones: an error now
+        indexes = {name: index_description(c, settings) for name, c in collections.items()}
+        check_service(config.search.remote_url, list(collections), settings.tools, indexes=indexes)
     env_cfg = SearchEnvConfig(
         max_turns=config.env.max_turns,
         answer_fallback=config.env.answer_fallback,

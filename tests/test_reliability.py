@@ -1060,3 +1060,45 @@ def test_a_server_refusing_every_search_is_a_service_failure_and_odd_requests_ge
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_a_server_with_the_runs_collection_name_but_other_documents_or_settings_is_refused(tmp_path):
+    """Issue 71, item 2: ``serve_tools --synthetic`` (seed 0) against a run with ``data.synthetic_seed=1`` passed
+    the start-up check (same name, same tools), and the run warmed up on what it found; the run's search settings
+    were ignored too."""
+    from mtrl_jax.search.build import index_description, make_tools
+    from mtrl_jax.search.server import make_server, serve_in_background
+    from mtrl_jax.setup import build
+
+    served = make_synthetic_collection(0)
+    for settings, run, error in (
+        (SearchSettings(tfidf_dim=32), {"data.synthetic_seed": 1}, "its 1600 documents are not the run's 1600"),
+        (SearchSettings(tfidf_dim=16), {}, r"its index settings .*'tfidf_dim': 16.* are not the run's .*32"),
+        (None, {}, "it does not say which documents and index it serves"),
+    ):
+        tools = {served.name: {t.name: t for t in make_tools(served, settings or SearchSettings(tfidf_dim=32))}}
+        described = {served.name: index_description(served, settings)} if settings else None
+        server = make_server(tools, descriptions=described)
+        serve_in_background(server)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        try:
+            config = _config(**{"data.synthetic": True, "data.folders": "", "search.remote_url": url, **run})
+            with pytest.raises(ConnectionError, match=f"the collection 'synthetic' there is not the run's: {error}"):
+                build(config, tmp_path)
+        finally:
+            server.shutdown()
+            server.server_close()
+    # the server the run's own settings describe passes
+    tools = {served.name: {t.name: t for t in make_tools(served, SearchSettings(tfidf_dim=32))}}
+    server = make_server(tools, descriptions={served.name: index_description(served, SearchSettings(tfidf_dim=32))})
+    serve_in_background(server)
+    try:
+        check_service(
+            f"http://127.0.0.1:{server.server_address[1]}",
+            [served.name],
+            ["bm25_search"],
+            indexes={served.name: index_description(served, SearchSettings(tfidf_dim=32))},
+        )
+    finally:
+        server.shutdown()
+        server.server_close()

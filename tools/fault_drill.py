@@ -163,10 +163,12 @@ def damage(step_dir: pathlib.Path, how: str) -> None:
 def fake_tool_service(search):
     """A server that passes the start-up check for the synthetic collection (health, its tools) and answers
     each search with ``search(handler)``; returns ``(server, url)``."""
-    from mtrl_jax.data.synthetic import make_synthetic_collection
-    from mtrl_jax.search.build import SearchSettings, make_tools
+    from mtrl_jax.data.synthetic import SYNTHETIC_TFIDF_DIM, make_synthetic_collection
+    from mtrl_jax.search.build import SearchSettings, index_description, make_tools
 
-    schemas = [t.schema() for t in make_tools(make_synthetic_collection(0), SearchSettings(tfidf_dim=8))]
+    collection, settings = make_synthetic_collection(0), SearchSettings(tfidf_dim=SYNTHETIC_TFIDF_DIM)
+    schemas = [t.schema() for t in make_tools(collection, settings)]
+    index = index_description(collection, settings)  # the run's documents and index settings: the check passes
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -180,7 +182,7 @@ def fake_tool_service(search):
             self.wfile.write(body)
 
         def do_GET(self):
-            self.reply(200, {"ok": True} if self.path == "/health" else {"tools": schemas})
+            self.reply(200, {"ok": True} if self.path == "/health" else {"tools": schemas, "index": index})
 
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))

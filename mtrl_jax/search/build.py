@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import pathlib
 import threading
 from typing import Optional, Sequence
@@ -42,6 +44,19 @@ class SearchSettings:
     def __post_init__(self):
         if self.remote_url and self.health is None:
             object.__setattr__(self, "health", ServiceHealth(self.remote_url, self.remote_max_failures))
+
+
+def index_description(collection: Collection, settings: SearchSettings) -> dict:
+    """What a tool server's index of ``collection`` is: the number of documents, a SHA-256 of their ids, titles
+    and texts (in id order), and the index settings that change what the tools return. A run against a remote
+    server compares it with its own (``check_service``): same name, other documents or settings is refused."""
+    digest = hashlib.sha256()
+    for doc in sorted(collection.documents, key=lambda d: d.doc_id):
+        digest.update(json.dumps([doc.doc_id, doc.title, doc.text], ensure_ascii=False).encode() + b"\n")
+    index = {"encoder": settings.encoder, "index_type": settings.index_type}
+    if settings.encoder == "tfidf":
+        index["tfidf_dim"] = settings.tfidf_dim
+    return {"documents": len(collection.documents), "sha256": digest.hexdigest(), "index": index}
 
 
 _PRETRAINED: dict[pathlib.Path, BertEncoder] = {}

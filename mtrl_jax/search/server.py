@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Optional
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
@@ -50,8 +51,10 @@ class ToolServer:
         workers: int = 32,
         request_deadline_s: float = 30.0,
         max_connections: int = 10_000,
+        descriptions: Optional[dict] = None,
     ):
         self.tools = tools_by_collection
+        self.descriptions = descriptions or {}  # collection -> build.index_description, sent with its tools
         self.max_request_bytes, self.read_timeout_s = max_request_bytes, read_timeout_s
         self.request_deadline_s, self.max_connections = request_deadline_s, max_connections
         self.request_queue_size = backlog
@@ -167,7 +170,7 @@ class ToolServer:
             return 404, {"error": f"unknown path {path!r}; collections: {sorted(self.tools)}"}
         tools = self.tools[parts[0]]
         if method == "GET":
-            return 200, {"tools": [t.schema() for t in tools.values()]}
+            return 200, {"tools": [t.schema() for t in tools.values()], "index": self.descriptions.get(parts[0])}
         return await self.loop.run_in_executor(self.pool, _search, tools, body)
 
 

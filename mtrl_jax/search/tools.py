@@ -269,10 +269,13 @@ def parse_results(raw: bytes, top_k: int) -> list[dict]:
     return results
 
 
-def check_service(url: str, collections: Sequence[str] = (), tools: Sequence[str] = (), timeout_s: float = 5.0) -> None:
+def check_service(
+    url: str, collections: Sequence[str] = (), tools: Sequence[str] = (), timeout_s: float = 5.0, indexes=None
+) -> None:
     """Fail fast (``ConnectionError`` naming ``url``) when the tool server does not answer ``/health``,
     or does not serve one of ``collections`` with all of ``tools`` (a server started on other data would
-    answer every search with 404)."""
+    answer every search with 404), or, with ``indexes`` (collection -> ``build.index_description``), serves
+    a collection of that name whose documents or index settings are not the run's."""
     base = url.rstrip("/")
 
     def get(path: str):
@@ -289,7 +292,8 @@ def check_service(url: str, collections: Sequence[str] = (), tools: Sequence[str
         ) from None
     for collection in collections:
         try:
-            served = {t["function"]["name"] for t in get(f"/{collection}/tools")["tools"]}
+            reply = get(f"/{collection}/tools")
+            served = {t["function"]["name"] for t in reply["tools"]}
         except urllib.error.HTTPError as e:
             detail = e.read(500).decode(errors="replace")
             raise ConnectionError(
@@ -304,4 +308,18 @@ def check_service(url: str, collections: Sequence[str] = (), tools: Sequence[str
             raise ConnectionError(
                 f"search.remote_url={url}: the collection {collection!r} there has no tool {missing} "
                 f"(it serves {sorted(served)})"
+            )
+        if indexes is not None and reply.get("index") != indexes[collection]:
+            theirs, ours = reply.get("index") or {}, indexes[collection]
+            if not theirs:
+                differs = "it does not say which documents and index it serves"
+            elif theirs.get("sha256") != ours["sha256"]:
+                differs = (
+                    f"its {theirs.get('documents')} documents are not the run's {ours['documents']} (another hash)"
+                )
+            else:
+                differs = f"its index settings {theirs.get('index')} are not the run's {ours['index']}"
+            raise ConnectionError(
+                f"search.remote_url={url}: the collection {collection!r} there is not the run's: {differs}; start "
+                "the server on the run's data and search settings"
             )
