@@ -162,8 +162,10 @@ def get_config():
     c.optim.grad_clip = 1.0
     c.optim.weight_decay = 0.0
 
+    # The cold start (the supervised stage before RL; its keys keep the name warmup.*): 0 steps runs RL from the
+    # initial policy as it is, which no model here survives (configs/real_cpu.py gives fetched checkpoints one too).
     c.warmup = config_dict.ConfigDict()
-    # 0: no supervised warm-up (real checkpoints). The tiny policy must learn to copy an identifier out of
+    # The tiny policy must learn to copy an identifier out of
     # search results for RL to learn the hop: after 2,400 steps one seed of three had (docs/decisions.md), after
     # 3,000 all
     c.warmup.steps = 3000

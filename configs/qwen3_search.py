@@ -52,7 +52,9 @@ def get_config():
     c.rl.advantage_options = ""
     c.optim.learning_rate = 1e-6
     c.optim.warmup_steps = 10
-    c.warmup.steps = 0  # an instruction-tuned checkpoint already knows the protocol
+    # no cold start here: set warmup.* as configs/real_cpu.py does (every fetched instruction-tuned checkpoint
+    # scored 0 without one, docs/real_models.md); 0 runs RL from the checkpoint as it is
+    c.warmup.steps = 0
     c.eval.every_steps = 20
     c.checkpoint.every_steps = 10
     c.checkpoint.keep = 3

@@ -41,7 +41,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "rollout.group_size": (2, 10**5, True),
     "rollout.temperature": (0, 100, True),
     "rollout.top_p": (0, 1, False),
-    "rollout.max_len": (16, 10**8, True),  # and the KV cache must fit the machine (setup.check_memory)
+    "rollout.max_len": (16, 10**8, True),  # and the KV cache must fit the machine (setup.check_kv_cache)
     "rollout.max_tokens_per_turn": (1, 10**8, True),
     "rollout.decode_chunk": (1, 10**6, True),
     "rollout.tool_workers": (0, 4096, True),

@@ -1,8 +1,10 @@
-"""The embedded default's warm-up: supervised training on scripted, deliberately imperfect
-demonstrations of the tool protocol.
+"""The cold start (the ``warmup.*`` config keys): supervised training on scripted, deliberately imperfect
+demonstrations of the tool protocol, before RL.
 
-A real run starts from an instruction-tuned checkpoint that already knows the protocol; this
-stands in for that. The scripted teacher calls a *random* search tool with the question verbatim,
+The tiny default and the fetched instruction-tuned checkpoints alike need it: none of them uses the protocol on
+its own (every fetched one scores 0, docs/real_models.md).
+
+The scripted teacher calls a *random* search tool with the question verbatim,
 asking for a *random* number of results; with probability ``hop`` it then makes a second search on
 an identifier copied from the first search's results, chosen at random among those shown; then it
 answers without ids (so the environment's answer fallback ranks the results). It never learns which

@@ -203,7 +203,7 @@ class Normalisers(NamedTuple):
     num_tokens: Optional[jnp.ndarray] = None  # valid tokens (token-mean)
     num_seqs: Optional[jnp.ndarray] = None  # rows with a valid token (seq-mean-*)
     num_rows: Optional[int] = None  # all rows B (seq-mean-token-sum-norm)
-    norm_len: Optional[int] = None  # the configured max response length (seq-mean-token-sum-norm)
+    norm_len: Optional[int] = None  # rollout.max_len: the trajectory's token budget (seq-mean-token-sum-norm)
 
 
 def _row_counts(mask, norms: Normalisers):
@@ -236,7 +236,7 @@ def seq_mean_token_sum(loss, mask, norms: Normalisers):
 def seq_mean_token_sum_norm(loss, mask, norms: Normalisers):
     """Dr.GRPO's constant normaliser: ``sum(L * mask) / (B * norm_len)``."""
     if norms.norm_len is None:
-        raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (max response length)")
+        raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_len (rollout.max_len)")
     rows = loss.shape[0] if norms.num_rows is None else norms.num_rows
     return loss.sum() / (rows * norms.norm_len)
 

@@ -37,7 +37,7 @@ class ObjectiveConfig:
                 raise ValueError(f"{field}: unknown {registry.kind} {name!r}; registered: {registry.names()}")
         losses.LOSSES.check_options(self.loss, dict(self.loss_options), "rl.loss_options")
         if self.aggregation == "seq-mean-token-sum-norm" and not self.norm_len:
-            raise ValueError("rl.aggregation: 'seq-mean-token-sum-norm' needs norm_len (the max response length)")
+            raise ValueError("rl.aggregation: 'seq-mean-token-sum-norm' needs norm_len (rollout.max_len)")
 
 
 def objective(
