@@ -3,7 +3,7 @@
 ``summarize``: nDCG@10 with failures counted as 0 (as published MTRL results do); failure rate
 overall and by reason; mean turns; tool calls and tool errors per episode; the same per task type; pass@k at a threshold
 ``tau`` on nDCG with the unbiased estimator ``1 - C(n-c, k) / C(n, k)``; max@k, the expected best
-nDCG of k samples, exactly from the sorted samples with the subset-max weights of ALGORITHMS.md.
+nDCG of k samples, exactly from the sorted samples with the subset-max weights of docs/algorithms.md.
 
 ``type_metrics``: an RL step's per-type training diagnostics (reward, nDCG@10, failures, turns,
 tool calls, the share of all-equal groups, the mean absolute advantage).

@@ -1,4 +1,4 @@
-"""Advantage estimators against plain-numpy references written from ALGORITHMS.md."""
+"""Advantage estimators against plain-numpy references written from docs/algorithms.md."""
 
 import itertools
 import math
@@ -135,7 +135,7 @@ def test_all_equal_groups_give_zero(name, opts):
     ],
 )
 def test_all_equal_groups_give_exactly_zero_in_float32(name, opts):
-    """ALGORITHMS.md: an all-equal group gives exactly 0 for any value and group size (float32's group
+    """docs/algorithms.md: an all-equal group gives exactly 0 for any value and group size (float32's group
     mean of equal values is off by an ulp unless the estimator shifts first)."""
     values = [0.7, 0.1, 1 / 3, -1.0, 0.123456789, 0.9999, 1e-3, 0.0]
     for G in (4, 5, 7, 8, 16):

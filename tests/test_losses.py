@@ -1,4 +1,4 @@
-"""Losses, KL, aggregation and the objective against numpy references from ALGORITHMS.md."""
+"""Losses, KL, aggregation and the objective against numpy references from docs/algorithms.md."""
 
 import math
 import zlib

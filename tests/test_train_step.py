@@ -103,7 +103,7 @@ def _batch(rewards, T=10, seed=0):
     return TrajectoryBatch(tokens, attention, loss_mask, behav, np.asarray(rewards, np.float32), group_size=2)
 
 
-def _grpo(rewards, G):  # ALGORITHMS.md, written out
+def _grpo(rewards, G):  # docs/algorithms.md, written out
     r = np.asarray(rewards, np.float64).reshape(-1, G)
     return ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
 

@@ -179,7 +179,7 @@ def load_qrels(path: os.PathLike, doc_ids: Optional[set] = None) -> dict[str, di
 
 def load_beir(folder: os.PathLike, name: Optional[str] = None) -> Collection:
     """A BEIR folder as a ``Collection``. Queries with no positive judgment (IDCG = 0) are
-    excluded from the tasks, as ALGORITHMS.md requires; queries without judgments too."""
+    excluded from the tasks, as docs/algorithms.md requires; queries without judgments too."""
     folder = pathlib.Path(folder)
     name = name or folder.name
     for required in ("corpus.jsonl", "queries.jsonl", "qrels.tsv"):

@@ -1,6 +1,6 @@
 """Group-relative advantage estimators, registered by name.
 
-Conventions follow ``shared/ALGORITHMS.md``: a batch is ``P`` prompts x ``G`` samples laid out
+Conventions follow docs/algorithms.md: a batch is ``P`` prompts x ``G`` samples laid out
 contiguously (rows ``p*G .. p*G+G-1`` belong to prompt ``p``), rewards are ``[P*G]`` and every
 estimator returns ``[P*G]`` advantages (one scalar per trajectory, broadcast over its tokens).
 
@@ -133,7 +133,7 @@ def passk_weights(group_size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 def grpo_passk(rewards: jnp.ndarray, group_size: int, loss_mask: jnp.ndarray, k: int = 2) -> jnp.ndarray:
     """GRPO advantage of the best-of-k reward, averaged over the k-subsets containing each sample.
 
-    Chen et al. 2025 ("Pass@k Training"), extended to continuous rewards as in ALGORITHMS.md:
+    Chen et al. 2025 ("Pass@k Training"), extended to continuous rewards as in docs/algorithms.md:
     ``adv_(i) = ((G/k) s_(i) - mu) / (sigma + 1e-6)`` with ``mu``/``sigma`` the mean and population
     std of the max of a uniformly random k-subset. k = 1 reduces to GRPO with population std.
     """

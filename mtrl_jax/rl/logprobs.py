@@ -1,7 +1,7 @@
 """Token log-probs and entropy from hidden states, chunked so ``[B, T, V]`` float32 never exists.
 
 Both quantities are of the temperature-scaled distribution ``softmax(logits / temperature)``,
-the same quantity the sampler records as ``behav_logp`` (ARCHITECTURE.md, "Behaviour log-probs").
+the same quantity the sampler records as ``behav_logp`` (docs/architecture.md, "Behaviour log-probs").
 The chunked path scans over chunks of positions (every row's next few tokens) with the per-chunk
 computation under ``jax.checkpoint``: the backward pass recomputes one chunk's logits at a time,
 so peak memory is ``O(chunk * V)`` instead of ``O(B * T * V)``.

@@ -1,6 +1,6 @@
 """Per-token policy losses, KL estimators and loss aggregation, registered by name.
 
-Exactly the conventions of ``shared/ALGORITHMS.md``. Every array is ``[B, T]`` (``B`` padded
+Exactly the conventions of docs/algorithms.md. Every array is ``[B, T]`` (``B`` padded
 sequences of ``T`` tokens) except ``advantages``, which is ``[B]`` (broadcast over tokens) or
 ``[B, T]``. ``mask`` is 1 on tokens the policy sampled. All computation happens in float32,
 whatever the input dtype.
@@ -252,7 +252,7 @@ def aggregate(
     num_rows: Optional[int] = None,
 ) -> jnp.ndarray:
     """Reduce ``per_token_loss [B, T]`` to a scalar with the aggregation mode ``mode``
-    (ALGORITHMS.md "Aggregation"). An all-zero mask gives 0, never NaN."""
+    (docs/algorithms.md "Aggregation"). An all-zero mask gives 0, never NaN."""
     chex.assert_equal_shape([per_token_loss, mask])
     maskf = mask.astype(jnp.float32)
     loss = per_token_loss.astype(jnp.float32) * maskf

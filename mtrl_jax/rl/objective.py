@@ -1,7 +1,7 @@
 """The scalar training objective: policy-gradient loss + KL penalty - entropy bonus.
 
 ``objective = agg(pg_loss * tis) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``
-(ALGORITHMS.md). The truncated IS weight multiplies the policy-gradient term only.
+(docs/algorithms.md). The truncated IS weight multiplies the policy-gradient term only.
 """
 
 from __future__ import annotations
