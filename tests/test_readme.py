@@ -58,6 +58,30 @@ def test_reported_figures_are_intervals_not_spreads():
         assert "±" not in path.read_text(), f"{path.name}: a '±' figure (report a 95% interval and n)"
 
 
+def _table_rows(text: str) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
+
+
+def test_the_docs_keep_the_readmes_rules():
+    """Issue 70, point 6: table cells of at most 300 characters in the README and docs/results.md, at most 6
+    rows in the README's results table, docs/decisions.md entries of at most 400 characters, and every link of
+    the README to a page a reader can open (checked above)."""
+    docs = README.parent / "docs"
+    for path in (README, docs / "results.md"):
+        for row in _table_rows(path.read_text()):
+            long = [cell[:60] for cell in row if len(cell) > 300]
+            assert not long, f"{path.name}: cells over 300 characters: {long}"
+    results = README.read_text().split("| what | result |", 1)[1].split("\n\n", 1)[0]
+    assert len(_table_rows(results)) <= 6, "the README's results table has more than 6 rows"
+    for line in (docs / "decisions.md").read_text().splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            assert len(line) <= 400, f"docs/decisions.md: an entry of {len(line)} characters: {line[:80]}"
+
+
 def test_ci_runs_exactly_the_readmes_test_command():
     quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```bash\n(.*?)\n```", quick_start, re.DOTALL)
