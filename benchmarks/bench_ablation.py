@@ -11,6 +11,11 @@ runs); ``--unshared k`` also runs k of them standalone (the first arms of the la
 checked against real standalone runs, side by side. Prints the minutes of both, their ratio, and the
 ablation's verdicts: the pairs it separates, or the widest paired interval (an equivalence result when every
 pair's interval is narrower than +-0.03).
+
+``--test-arm ARM`` then reads the test split once for each seed of that arm (the final config; the default's
+own settings are the arm ``loss=ppo,advantage=grpo``), through ``experiments.evaluate --split=test`` and its
+ledger (a seed already read is not read again), and prints the arm's test nDCG@10 and its paired difference to
+each one-search baseline on the same test queries, with two-way intervals over the seeds and queries.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--grid", action="append", default=None, help=f"default: {' '.join(GRID)}")
     parser.add_argument("--unshared", type=int, default=1, help="arm-seeds also run standalone (timed)")
+    parser.add_argument("--test-arm", default=None, help="read the test split once for each seed of this arm")
     args, overrides = parser.parse_known_args(argv)
     out = pathlib.Path(args.out)
     grid_args = args.grid or list(GRID)
@@ -87,6 +93,12 @@ def main(argv=None):
             f"{estimate / 60:.1f} min estimated (warm-up + arm): {ratio(wall(workdir), estimate)}"
         )
 
+    if args.test_arm:
+        cell = next((c for c in cells if cell_name(c) == args.test_arm), None)
+        if cell is None:
+            raise SystemExit(f"--test-arm {args.test_arm!r}: not an arm of the grid ({[cell_name(c) for c in cells]})")
+        test_report(args, out, cell, seeds, overrides)
+
     pairs = results["pairs"]
     separated = [p for p in pairs if p["separated"]]
     widest = max((p["ci95"][1] - p["ci95"][0]) / 2 for p in pairs)
@@ -97,6 +109,38 @@ def main(argv=None):
         print(f"verdict: no pair separated, every paired interval narrower than +-{EQUIVALENCE}: equivalent arms")
     else:
         print(f"verdict: not resolved (no pair separated; the widest paired half-width is {widest:.4f})")
+
+
+def test_report(args, out: pathlib.Path, cell, seeds, overrides) -> None:
+    """The arm's test split, read once per seed (``experiments.evaluate --split=test``, its ledger), against the
+    one-search baselines on the same queries: means and paired differences with two-way intervals."""
+    import numpy as np
+
+    from mtrl_jax import stats
+
+    per_seed = []
+    for seed in seeds:
+        workdir = out / "shared" / cell_name(cell) / f"seed_{seed}"
+        target = out / "test" / cell_name(cell) / f"seed_{seed}"
+        if not (target / "test_scores.json").exists():
+            cmd = [sys.executable, "-m", "experiments.evaluate", f"--config={args.config}", "--split=test"]
+            cmd += [
+                f"--checkpoint={workdir}",
+                f"--out={target}",
+                f"--config.seed={seed}",
+                "--config.eval.every_steps=0",
+            ]
+            cmd += [*[f"--config.{f}={v}" for f, v in cell], *overrides]
+            subprocess.run(cmd, cwd=REPO, check=True)
+        per_seed.append(json.loads((target / "test_scores.json").read_text()))
+    for name in per_seed[0]:
+        ids = sorted(per_seed[0][name]["policy"])
+        policy = np.array([[s[name]["policy"][i] for i in ids] for s in per_seed])
+        print(f"\ntest, {name}, {cell_name(cell)}: nDCG@10 {stats.interval(policy).text()}")
+        for tool in ("bm25", "dense", "fusion"):
+            base = np.array([[s[name][tool][i] for i in ids] for s in per_seed])
+            diff = stats.paired(policy, base)
+            print(f"  against one {tool} search ({base.mean():.4f}): {diff.text()}: {stats.verdict(diff)}")
 
 
 def _product(grid):

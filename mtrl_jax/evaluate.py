@@ -242,6 +242,9 @@ def evaluate_test(config, out_dir, workdir, samples: int = 1, tau: float = 0.5, 
     out = pathlib.Path(out_dir)
     (out / "eval.json").write_text(json.dumps(results, indent=2))
     (out / "eval.md").write_text(markdown_table(results, samples) + "\n" + baseline_table(results))
+    # each query's scores, the policy's and the baselines', for intervals over several runs (bench_ablation)
+    by_task = {name: {"policy": scores[name], **baselines[name]["by_task"]} for name in results}
+    (out / "test_scores.json").write_text(json.dumps(by_task, indent=2))
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),

@@ -123,6 +123,8 @@ def test_the_test_split_is_read_through_its_ledger_and_counted():
         figures = line["figures"]["synthetic"]
         assert figures["queries"] == 4 and set(figures["baselines"]) == {"bm25", "dense", "fusion"}
     assert lines[0]["config_hash"] == lines[1]["config_hash"] and lines[0]["figures"] == lines[1]["figures"]
+    per_query = json.loads((root / "test1" / "test_scores.json").read_text())["synthetic"]
+    assert set(per_query) == {"policy", "bm25", "dense", "fusion"} and all(len(v) == 4 for v in per_query.values())
     # the queries it read are test queries: none of them trained or was evaluated in the run
     tested_file = root / "test1" / "synthetic.trajectories.jsonl"
     tested = {json.loads(t)["task_id"] for t in tested_file.read_text().splitlines()}
