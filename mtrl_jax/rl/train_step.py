@@ -1,6 +1,7 @@
 """The policy update: one jitted function over the train state and a whole trajectory batch.
 
-``update_step`` reads like purejaxrl's ``_update_epoch``: it computes the group advantages,
+``update_step`` keeps purejaxrl's skeleton (``prepare`` -> ``lax.scan(optimizer_step)`` -> ``summarize``): it
+computes the group advantages,
 recomputes ``old_logp`` (and the KL reference's log-probs) with the parameters before the update,
 draws the mini-batch order from a split of ``TrainState.rng``, and runs one ``lax.scan`` over
 ``update_epochs x mini_batches`` optimizer steps. Each optimizer step accumulates its gradient over
@@ -229,6 +230,234 @@ def score(
     }
 
 
+class StepPlan(NamedTuple):
+    """What every optimizer step of one update reads, made once by ``prepare``: the static shapes and choices
+    (hashable: closed over) and the batch's per-row arrays (traced)."""
+
+    model_cfg: ModelConfig
+    cfg: UpdateConfig
+    tx: optax.GradientTransformation
+    buckets: tuple[int, ...]  # the lengths a micro-batch is computed at (length_buckets)
+    rows_per_micro: int
+    skip: bool  # rows with advantage 0 add exactly 0: their micro-batches are skipped
+
+
+class Prepared(NamedTuple):
+    data: dict  # per-row arrays the micro-batches gather: tokens, masks, behaviour / old / reference log-probs, adv
+    signal: Optional[jax.Array]  # [B] rows whose gradient can be non-zero (with plan.skip), else None
+    current: dict  # scored set name -> whether it is bitwise the parameters the first mini-batch starts from
+    order: jax.Array  # [update_epochs * mini_batches, rows] the optimizer steps' rows
+    rng: jax.Array  # the state's next key
+
+
+def plan_update(model_cfg: ModelConfig, cfg: UpdateConfig, tx, batch: TrajectoryBatch) -> StepPlan:
+    B, T = batch.tokens.shape
+    if B % cfg.rows_per_micro_batch_divisor:
+        raise ValueError(
+            f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
+            f"x {cfg.micro_batches} micro-batches"
+        )
+    obj = cfg.objective
+    return StepPlan(
+        model_cfg,
+        cfg,
+        tx,
+        length_buckets(T, cfg.length_bucket, shortest=cfg.min_length),
+        B // cfg.rows_per_micro_batch_divisor,
+        cfg.skip_zero_advantage and not obj.kl_coef and not obj.entropy_coef,
+    )
+
+
+def policy_logprobs(plan: StepPlan, frozen, trainable, tokens, attention_mask):
+    """``(log-probs, entropy)`` of the policy ``frozen`` + ``trainable`` (``sequence_logprobs``)."""
+    cfg = plan.cfg
+    return sequence_logprobs(
+        plan.model_cfg, lora.merge(frozen, trainable), tokens, attention_mask, cfg.temperature, cfg.logprob_chunk
+    )
+
+
+def _one_step(cfg: UpdateConfig) -> bool:
+    return cfg.update_epochs * cfg.mini_batches == 1  # the old policy is the one the only step starts from
+
+
+def prepare(plan: StepPlan, state: TrainState, batch: TrajectoryBatch, ref_params, frozen) -> Prepared:
+    """Advantages, the mini-batch order, and the log-probs the update needs before its first step (the old
+    policy's, the KL reference's), scored in the first epoch's micro-batches."""
+    cfg, obj = plan.cfg, plan.cfg.objective
+    loss_mask = batch.loss_mask.astype(jnp.float32)
+    adv = advantages_lib.compute(
+        cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
+    )
+    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
+    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if plan.skip else None
+    scored = []  # parameter sets whose log-probs the update needs before its first step
+    if cfg.old_logp == "recompute" and not _one_step(cfg):
+        scored.append(("old_logp", state.params))
+    if obj.kl_coef:
+        if ref_params is None:
+            raise ValueError("rl.kl_coef > 0 needs the reference parameters")
+        scored.append(("ref_logp", ref_params))
+    rng, order_key = jax.random.split(state.rng)
+    order = minibatch_order(order_key, batch.tokens.shape[0], cfg.update_epochs, cfg.mini_batches)
+    data = {
+        "tokens": batch.tokens,
+        "attention_mask": batch.attention_mask,
+        "loss_mask": loss_mask,
+        "behav_logp": batch.behav_logp,
+        "old_logp": batch.behav_logp,
+        "adv": adv,
+    }
+    if scored:  # in the first epoch's micro-batches (see score)
+        first_epoch = jnp.concatenate(
+            [by_length(batch.attention_mask, rows, plan.rows_per_micro, signal) for rows in order[: cfg.mini_batches]]
+        )
+        data.update(
+            score(
+                functools.partial(policy_logprobs, plan, frozen),
+                [p for _, p in scored],
+                [n for n, _ in scored],
+                batch.tokens,
+                batch.attention_mask,
+                plan.buckets,
+                first_epoch,
+            )
+        )
+    # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
+    # current parameters (the old policy always; the reference at the first RL step) takes the training
+    # forward's own log-probs, so the first ratio is 1 to the last bit and an all-zero-advantage step has
+    # a gradient of exactly 0 (two compiled programs agree only to ~1 ulp, which Adam would amplify).
+    current = {"old_logp": jnp.bool_(True)} if cfg.old_logp == "recompute" else {}
+    if obj.kl_coef:
+        current["ref_logp"] = jnp.all(
+            jnp.stack(
+                [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]
+            )
+        )
+    return Prepared(data, signal, current, order, rng)
+
+
+def micro_loss(plan: StepPlan, frozen, current: dict, params, micro: dict, norms: dict, first):
+    """The objective of one micro-batch (``micro``: its rows of ``Prepared.data``), normalised by its
+    mini-batch's counts (``norms``), and its metrics."""
+    cfg = plan.cfg
+    logp, entropy = policy_logprobs(plan, frozen, params, micro["tokens"], micro["attention_mask"])
+    micro = {
+        **micro,
+        **{name: jnp.where(first & same, jax.lax.stop_gradient(logp), micro[name]) for name, same in current.items()},
+    }
+    loss, metrics = objective(
+        cfg.objective,
+        logp,
+        micro["old_logp"],
+        micro["adv"],
+        micro["loss_mask"],
+        entropy=entropy,
+        behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
+        ref_logp=micro.get("ref_logp"),
+        **norms,
+    )
+    dev = jnp.abs(jax.lax.stop_gradient(micro["old_logp"]) - micro["behav_logp"]) * micro["loss_mask"]
+    return loss, {**metrics, "behav_logp_max_abs_dev": jnp.max(dev)}
+
+
+def micro_gradient(plan: StepPlan, frozen, prepared: Prepared, params, norms, first, micro_batch: dict):
+    """The gradient and metrics of one micro-batch, computed at the shortest of ``plan.buckets`` that holds
+    its rows (one branch per length: the micro-batch's columns ``[0, length)``)."""
+    grad_fn = jax.value_and_grad(functools.partial(micro_loss, plan, frozen, prepared.current), has_aux=True)
+
+    def at_length(length, micro_batch):
+        cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
+        (_, metrics), g = grad_fn(params, cut, norms, first)
+        return g, {
+            **metrics,
+            "computed": jnp.float32(1.0),
+            "computed_tokens": jnp.float32(plan.rows_per_micro * length),
+            "computed_real_tokens": cut["attention_mask"].sum().astype(jnp.float32),
+            "computed_loss_tokens": cut["loss_mask"].sum(),
+        }
+
+    return switch_on_length(plan.buckets, micro_batch["attention_mask"], at_length, micro_batch)
+
+
+def optimizer_step(plan: StepPlan, frozen, prepared: Prepared, attention_mask, carry, xs):
+    """One optimizer step on the rows ``xs[0]`` (a mini-batch; ``xs[1]``: whether it is the update's first),
+    its gradient accumulated over micro-batches of rows of similar length; a step whose loss, gradient norm
+    or new parameters are not finite is skipped and counted. A ``lax.scan`` body over the mini-batches."""
+    rows, first = xs
+    params, opt_state, step, skipped = carry
+    data, signal = prepared.data, prepared.signal
+    mask = data["loss_mask"][rows]
+    norms = dict(num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0])
+    gradient = functools.partial(micro_gradient, plan, frozen, prepared, params, norms, first)
+
+    def accumulate(grads, micro_rows):
+        # the gathered rows come out of the gather unsharded: split them over the batch axes
+        micro_batch = jax.tree.map(lambda x: constrain_rows(x[micro_rows]), data)
+        if plan.skip:  # every row with advantage 0: the gradient is exactly 0, and nothing is computed
+            shapes = jax.eval_shape(gradient, micro_batch)
+            zeros = lambda _: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
+            g, metrics = jax.lax.cond(signal[micro_rows].any(), gradient, zeros, micro_batch)
+        else:
+            g, metrics = gradient(micro_batch)
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    # micro-batches of rows of similar length (longest first), each computed at its own length; the rows
+    # that can have a gradient first, so the others make micro-batches that are skipped
+    micro_rows = by_length(attention_mask, rows, plan.rows_per_micro, signal)
+    grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
+    metrics = step_metrics(plan, micro_metrics, micro_rows.shape[0], mask)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    updates, new_opt_state = plan.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # a finite loss and gradient can still step to non-finite parameters (a learning rate of inf)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & all_finite(new_params)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    carry = (
+        keep(new_params, params),
+        keep(new_opt_state, opt_state),
+        step + finite.astype(jnp.int32),
+        skipped + (~finite).astype(jnp.int32),
+    )
+    return carry, metrics
+
+
+def step_metrics(plan: StepPlan, micro_metrics: dict, micro_batches: int, mask) -> dict:
+    """An optimizer step's metrics from its micro-batches' (``[micro_batches]`` each)."""
+    ran = micro_metrics.pop("computed")
+    computed = {k: micro_metrics.pop(f"computed_{k}").sum() for k in ("tokens", "real_tokens", "loss_tokens")}
+    # means over the micro-batches computed (a skipped one has no ratios or clipping to report)
+    metrics = {k: _mean_or_max(k, v, ran) for k, v in micro_metrics.items()}
+    metrics["real_token_fraction"] = computed["real_tokens"] / jnp.maximum(computed["tokens"], 1.0)
+    metrics["computed_rows_frac"] = ran.sum() / micro_batches
+    # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
+    # (the loss and pg_loss of a skipped micro-batch are exactly 0; the entropy is of the tokens computed)
+    for key in ("loss", "pg_loss", "kl", "entropy"):
+        if key in metrics:
+            metrics[key] = micro_metrics[key].sum()
+    if plan.skip and "entropy" in metrics:
+        metrics["entropy"] = metrics["entropy"] * mask.sum() / jnp.maximum(computed["loss_tokens"], 1.0)
+    return metrics
+
+
+def summarize(plan: StepPlan, prepared: Prepared, batch: TrajectoryBatch, history: dict, skipped) -> dict:
+    """The update's metrics from its optimizer steps' (``history``: ``[steps]`` each): device scalars, and
+    ``advantages [B]``."""
+    cfg, data = plan.cfg, prepared.data
+    adv = data["adv"]
+    metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
+    metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
+    metrics["skipped_steps"] = skipped
+    if not (cfg.old_logp == "recompute" and _one_step(cfg)):  # else the training forward measured it
+        dev = jnp.abs(data["old_logp"] - batch.behav_logp) * data["loss_mask"]
+        metrics["behav_logp_max_abs_dev"] = jnp.max(dev)
+    else:
+        metrics["behav_logp_max_abs_dev"] = history["behav_logp_max_abs_dev"][0]
+    metrics["advantage_mean"] = adv.mean()
+    metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
+    metrics["advantages"] = adv  # [B]: each trajectory's advantage (the trainer writes it to its record)
+    return metrics
+
+
 def update_step(
     model_cfg: ModelConfig,
     cfg: UpdateConfig,
@@ -246,183 +475,18 @@ def update_step(
     the model (``lora.split``; empty without adapters): the gradient, the optimizer and the reference
     (``ref_params``, trainable-shaped) cover the trainable ones only, the forward pass sees both.
 
-    With one optimizer step per batch (``update_epochs = mini_batches = 1``) and ``old_logp="recompute"``,
-    the old policy is the current one: its log-probs are the training forward's own (no separate pass)."""
-    B = batch.tokens.shape[0]
-    if B % cfg.rows_per_micro_batch_divisor:
-        raise ValueError(
-            f"batch of {B} trajectories does not split into {cfg.mini_batches} mini-batches "
-            f"x {cfg.micro_batches} micro-batches"
-        )
-    obj = cfg.objective
-    T = batch.tokens.shape[1]
-    buckets = length_buckets(T, cfg.length_bucket, shortest=cfg.min_length)
-    rows_per_micro = B // cfg.rows_per_micro_batch_divisor
+    purejaxrl's skeleton: ``prepare`` (advantages, the order, the old and reference log-probs), one
+    ``lax.scan`` of ``optimizer_step`` over ``update_epochs x mini_batches``, ``summarize``. With one
+    optimizer step per batch and ``old_logp="recompute"``, the old policy is the current one: its log-probs
+    are the training forward's own (no separate pass)."""
     frozen = {} if frozen is None else frozen
-
-    def logprobs(trainable, tokens, attention_mask):
-        return sequence_logprobs(
-            model_cfg, lora.merge(frozen, trainable), tokens, attention_mask, cfg.temperature, cfg.logprob_chunk
-        )
-
-    loss_mask = batch.loss_mask.astype(jnp.float32)
-    adv = advantages_lib.compute(
-        cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
-    )
-    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
-    skip = cfg.skip_zero_advantage and not obj.kl_coef and not obj.entropy_coef
-    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if skip else None
-    scored = []  # parameter sets whose log-probs the update needs before its first step
-    one_step = cfg.update_epochs * cfg.mini_batches == 1  # the old policy is the one the only step starts from
-    if cfg.old_logp == "recompute" and not one_step:
-        scored.append(("old_logp", state.params))
-    if obj.kl_coef:
-        if ref_params is None:
-            raise ValueError("rl.kl_coef > 0 needs the reference parameters")
-        scored.append(("ref_logp", ref_params))
-    rng, order_key = jax.random.split(state.rng)
-    order = minibatch_order(order_key, B, cfg.update_epochs, cfg.mini_batches)
-    data = {
-        "tokens": batch.tokens,
-        "attention_mask": batch.attention_mask,
-        "loss_mask": loss_mask,
-        "behav_logp": batch.behav_logp,
-        "old_logp": batch.behav_logp,
-        "adv": adv,
-    }
-    if scored:  # in the first epoch's micro-batches (see score)
-        first_epoch = jnp.concatenate(
-            [by_length(batch.attention_mask, rows, rows_per_micro, signal) for rows in order[: cfg.mini_batches]]
-        )
-        data.update(
-            score(
-                logprobs,
-                [p for _, p in scored],
-                [n for n, _ in scored],
-                batch.tokens,
-                batch.attention_mask,
-                buckets,
-                first_epoch,
-            )
-        )
-    old_logp = data["old_logp"]  # the behaviour log-probs where the training forward gives the old ones (one_step)
-
-    # In the first mini-batch the parameters are still the ones scored: a scored set that is bitwise the
-    # current parameters (the old policy always; the reference at the first RL step) takes the training
-    # forward's own log-probs, so the first ratio is 1 to the last bit and an all-zero-advantage step has
-    # a gradient of exactly 0 (two compiled programs agree only to ~1 ulp, which Adam would amplify).
-    current = {"old_logp": jnp.bool_(True)} if cfg.old_logp == "recompute" else {}
-    if obj.kl_coef:
-        current["ref_logp"] = jnp.all(
-            jnp.stack(
-                [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]
-            )
-        )
-
-    def micro_loss(params, micro, norms, first):
-        logp, entropy = logprobs(params, micro["tokens"], micro["attention_mask"])
-        micro = {
-            **micro,
-            **{
-                name: jnp.where(first & same, jax.lax.stop_gradient(logp), micro[name])
-                for name, same in current.items()
-            },
-        }
-        loss, metrics = objective(
-            obj,
-            logp,
-            micro["old_logp"],
-            micro["adv"],
-            micro["loss_mask"],
-            entropy=entropy,
-            behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
-            ref_logp=micro.get("ref_logp"),
-            **norms,
-        )
-        dev = jnp.abs(jax.lax.stop_gradient(micro["old_logp"]) - micro["behav_logp"]) * micro["loss_mask"]
-        return loss, {**metrics, "behav_logp_max_abs_dev": jnp.max(dev)}
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def optimizer_step(carry, xs):
-        rows, first = xs
-        params, opt_state, step, skipped = carry
-        mask = loss_mask[rows]
-        norms = dict(
-            num_tokens=mask.sum(), num_seqs=(mask.sum(1) > 0).sum().astype(jnp.float32), num_rows=mask.shape[0]
-        )
-
-        def micro_grads(length, micro_batch):  # one branch per length: the micro-batch's columns [0, length)
-            cut = {k: v[:, :length] if v.ndim == 2 else v for k, v in micro_batch.items()}
-            (_, metrics), g = grad_fn(params, cut, norms, first)
-            return g, {
-                **metrics,
-                "computed": jnp.float32(1.0),
-                "computed_tokens": jnp.float32(rows_per_micro * length),
-                "computed_real_tokens": cut["attention_mask"].sum().astype(jnp.float32),
-                "computed_loss_tokens": cut["loss_mask"].sum(),
-            }
-
-        def gradient(micro_batch):
-            return switch_on_length(buckets, micro_batch["attention_mask"], micro_grads, micro_batch)
-
-        def accumulate(grads, micro_rows):
-            # the gathered rows come out of the gather unsharded: split them over the batch axes
-            micro_batch = jax.tree.map(lambda x: constrain_rows(x[micro_rows]), data)
-            if skip:  # every row with advantage 0: the gradient is exactly 0, and nothing is computed
-                shapes = jax.eval_shape(gradient, micro_batch)
-                zeros = lambda _: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)  # noqa: E731
-                g, metrics = jax.lax.cond(signal[micro_rows].any(), gradient, zeros, micro_batch)
-            else:
-                g, metrics = gradient(micro_batch)
-            return jax.tree.map(jnp.add, grads, g), metrics
-
-        # micro-batches of rows of similar length (longest first), each computed at its own length; the rows
-        # that can have a gradient first, so the others make micro-batches that are skipped
-        micro_rows = by_length(batch.attention_mask, rows, rows_per_micro, signal)
-        grads, micro_metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), micro_rows)
-        ran = micro_metrics.pop("computed")
-        computed = {k: micro_metrics.pop(f"computed_{k}").sum() for k in ("tokens", "real_tokens", "loss_tokens")}
-        # means over the micro-batches computed (a skipped one has no ratios or clipping to report)
-        metrics = {k: _mean_or_max(k, v, ran) for k, v in micro_metrics.items()}
-        metrics["real_token_fraction"] = computed["real_tokens"] / jnp.maximum(computed["tokens"], 1.0)
-        metrics["computed_rows_frac"] = ran.sum() / micro_rows.shape[0]
-        # additive terms were normalised by mini-batch counts, so the micro-batches' sum is the mini-batch value
-        # (the loss and pg_loss of a skipped micro-batch are exactly 0; the entropy is of the tokens computed)
-        for key in ("loss", "pg_loss", "kl", "entropy"):
-            if key in metrics:
-                metrics[key] = micro_metrics[key].sum()
-        if skip and "entropy" in metrics:
-            metrics["entropy"] = metrics["entropy"] * mask.sum() / jnp.maximum(computed["loss_tokens"], 1.0)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        # a finite loss and gradient can still step to non-finite parameters (a learning rate of inf)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & all_finite(new_params)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        carry = (
-            keep(new_params, params),
-            keep(new_opt_state, opt_state),
-            step + finite.astype(jnp.int32),
-            skipped + (~finite).astype(jnp.int32),
-        )
-        return carry, metrics
-
+    plan = plan_update(model_cfg, cfg, tx, batch)
+    prepared = prepare(plan, state, batch, ref_params, frozen)
+    step = functools.partial(optimizer_step, plan, frozen, prepared, batch.attention_mask)
     init = (state.params, state.opt_state, state.step, jnp.zeros((), jnp.int32))
-    (params, opt_state, step, skipped), history = jax.lax.scan(
-        optimizer_step, init, (order, jnp.arange(order.shape[0]) == 0)
-    )
-    metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
-    metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
-    metrics["skipped_steps"] = skipped
-    if not (cfg.old_logp == "recompute" and one_step):  # else the training forward measured it (first mini-batch)
-        metrics["behav_logp_max_abs_dev"] = jnp.max(jnp.abs(old_logp - batch.behav_logp) * loss_mask)
-    else:
-        metrics["behav_logp_max_abs_dev"] = history["behav_logp_max_abs_dev"][0]
-    metrics["advantage_mean"] = adv.mean()
-    metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
-    metrics["advantages"] = adv  # [B]: each trajectory's advantage (the trainer writes it to its record)
-    return TrainState(params, opt_state, step, rng), metrics
+    firsts = jnp.arange(prepared.order.shape[0]) == 0
+    (params, opt_state, step_count, skipped), history = jax.lax.scan(step, init, (prepared.order, firsts))
+    return TrainState(params, opt_state, step_count, prepared.rng), summarize(plan, prepared, batch, history, skipped)
 
 
 class Updater:
