@@ -16,6 +16,7 @@ from test_trainer import SMALL
 
 from configs import default
 from experiments import ablate
+from tools import compare_runs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # zero advantages skip no update and an entropy bonus moves the parameters: the arms differ after 2 steps
@@ -88,6 +89,9 @@ def test_an_ablation_trains_one_warm_up_per_seed_and_its_arms_equal_their_standa
     alone = _params(root / "alone")
     assert _equal(_params(arm), alone)
     assert not _equal(_params(other)["params"], alone["params"])  # the grid's change does show
+    # tools.compare_runs says the same, step metrics included
+    assert compare_runs.differences(arm, root / "alone", 2) == []
+    assert any(d.startswith("state") for d in compare_runs.differences(other, root / "alone", 2))
     # common random numbers: both arms sampled step 1 from the same warm-up with the same keys
     step1 = [(w / "trajectories" / "step_000001.jsonl").read_text() for w in (arm, other)]
     assert step1[0] == step1[1]
