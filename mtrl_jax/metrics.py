@@ -77,14 +77,13 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
         raise ValueError("no trajectories to summarize")
     scores = np.array([trajectory_score(t) for t in trajectories])
     failures = collections.Counter(t.status for t in trajectories if t.status != "ok")
-    tools = collections.Counter()
-    errors = 0
+    tools, errors = collections.Counter(), collections.Counter()
     for t in trajectories:
         for key, value in t.counters.items():
             if key.startswith("tool_calls/"):
                 tools[key.split("/", 1)[1]] += value
             elif key.startswith("tool_errors/"):
-                errors += value
+                errors[key.split("/", 1)[1]] += value
     out = {
         "queries": n // samples_per_task,
         "samples": n,
@@ -93,7 +92,8 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
         "failure_rate_by_reason": {r: c / n for r, c in sorted(failures.items())},
         "mean_turns": float(np.mean([len(t.turns) for t in trajectories])),
         "tool_calls_per_episode": {name: c / n for name, c in sorted(tools.items())},
-        "tool_errors_per_episode": errors / n,
+        "tool_errors_per_episode": sum(errors.values()) / n,
+        "tool_errors": dict(sorted(errors.items())),  # failed tool calls by kind (the model's, the service's), in all
         "repeated_calls_per_episode": sum(t.counters.get("repeated_calls", 0) for t in trajectories) / n,
     }
     if samples_per_task > 1:
@@ -158,6 +158,7 @@ def rollout_metrics(trajectories: Sequence) -> dict:
         "throughput/sampled_tokens": float(sum(t.num_sampled for t in trajectories)),
     }
     out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
+    out.update({f"episodes/tool_errors/{k}": float(v) for k, v in s["tool_errors"].items()})  # the step's, by kind
     out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_episode"].items()})
     return out
 
@@ -206,6 +207,8 @@ def headline(label: str, m: dict) -> str:
         f"[{label}] dev: nDCG@10 {m['ndcg@10']:.4f} (failures count 0), failure rate {m['failure_rate']:.3f}, "
         f"mean turns {m['mean_turns']:.2f}, tool calls {m['tool_calls_per_episode']}, queries {m['queries']}"
     )
+    if m.get("tool_errors"):  # every phase says how many tool calls failed, and why (a flaky server shows here)
+        line += f", failed tool calls {m['tool_errors']}"
     kinds = m.get("by_type", {})
     if len(kinds) > 1:
         line += "".join(

@@ -82,6 +82,8 @@ class Trainer:
         self.record.dropped_groups += selection.counts["staleness/dropped_groups"]
         self.record.max_staleness_seen = max(self.record.max_staleness_seen, selection.counts.pop("staleness/max"))
         metrics = {**M.rollout_metrics([t for g in selection.fresh for t in g]), **selection.counts}
+        if failed := metrics.get("episodes/tool_errors/service_error"):  # a flaky server, said where it is seen
+            log.warning("RL step %d: %d tool calls failed on the tool service", step + 1, int(failed))
         if not selection.kept:
             log.warning("RL step %d: no trainable groups (%s)", step + 1, selection.counts)
         else:

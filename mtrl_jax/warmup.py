@@ -669,9 +669,13 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
         return policy
 
     demos, drawn, rejected, not_best, failed, too_long = [], 0, 0, 0, 0, 0
+    tool_errors: dict = {}  # failed tool calls by kind: a flaky server shows here, not only in a worse cold start
 
     def usable(run, judged: bool) -> bool:
         nonlocal failed, too_long, rejected
+        for key, value in run.episode.counters.items():
+            if key.startswith("tool_errors/"):
+                tool_errors[key.split("/", 1)[1]] = tool_errors.get(key.split("/", 1)[1], 0) + value
         if run.episode.status != "ok":
             failed += 1
         elif longest_turn(run.trajectory.loss_mask) > budget:  # a call the sampler would cut short
@@ -682,7 +686,10 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
             return True
         return False
 
-    for task in components.train_tasks:
+    from tqdm import tqdm
+
+    progress = getattr(components.run, "log_progress", False) and log is not None
+    for task in tqdm(components.train_tasks, desc="demonstrations", unit="task", disable=not progress):
         for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
             # with keep_best, a variant without judgments (an augmented one) has nothing to choose its draws by:
             # it is drawn once, so that each question and each rewrite weighs one demonstration
@@ -706,8 +713,9 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
         f"{drawn} drawn, {rejected} below warmup.min_reward={cfg.min_reward}, {not_best} not the best of their "
         f"task's warmup.samples_per_task={cfg.samples_per_task}, {failed} past the context, {too_long} with a turn "
         f"over rollout.max_tokens_per_turn={budget}"
+        + (f"; failed tool calls {dict(sorted(tool_errors.items()))}" if tool_errors else "")
     )
-    if log and (rejected or not_best or failed or too_long):
+    if log and (rejected or not_best or failed or too_long or tool_errors):
         log(f"demonstrations: {counts}")
     if not demos:
         raise ValueError(f"no demonstration left for the warm-up ({counts})")

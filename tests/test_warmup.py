@@ -732,3 +732,56 @@ def test_no_held_out_query_reaches_a_demonstration_or_the_rl_schedule(tmp_path, 
     for task in c.dev_tasks:
         if task.query not in train_queries:  # a held-out question also asked in training is not a leak
             assert not any(task.query in text for text in texts), task.task_id
+
+
+def test_failed_tool_calls_are_counted_and_said_in_every_phase():
+    """Issue 71, item 17: a tool service failing while the demonstrations were built, or during an evaluation,
+    was said nowhere (240 s of silence, then a worse cold start)."""
+    import socket
+    import types
+
+    from mtrl_jax.metrics import headline, rollout_metrics, summarize
+    from mtrl_jax.rollout.trajectory import Trajectory
+    from mtrl_jax.search.tools import RemoteSearchTool, ServiceHealth
+    from mtrl_jax.setup import WarmupSettings
+    from mtrl_jax.warmup import demonstrations
+
+    with socket.socket() as s:  # a port nothing listens on: every call is refused at once
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    docs = [Document(f"d{i}", f"Part {i}", f"pump number {i}") for i in range(5)]
+    tasks = [Task(f"c/{i}", f"pump {i}", {f"d{i}": 1}, "c") for i in range(3)]
+    health = ServiceHealth(dead, max_failures=10_000)
+    failing = RemoteSearchTool("bm25_search", "d", f"{dead}/c", retries=0, health=health)
+    env = make_environment(
+        Collection("c", docs, tasks), SearchSettings(tools=()), SearchEnvConfig(tool_prompt="compact"), [failing]
+    )
+    chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5 + ['<tool_call>\n{"name": "bm25_search"}'] * 5, 300))
+    settings = WarmupSettings(
+        steps=1,
+        batch_size=1,
+        learning_rate=0.0,
+        augment=0,
+        tools=("bm25_search",),
+        tool_probs=(1.0,),
+        top_ks=(2,),
+        top_k_probs=(1.0,),
+        hop=0.0,
+        hop_tool_probs=(1.0,),
+    )
+    said = []
+    components = types.SimpleNamespace(
+        warmup=settings,
+        run=types.SimpleNamespace(seed=0),
+        env=env,
+        chat=chat,
+        collector=types.SimpleNamespace(max_len=4096, max_tokens_per_turn=256),
+        train_tasks=tasks,
+    )
+    demonstrations(components, log=said.append)
+    assert said and "failed tool calls {'service_error': 3}" in said[-1], said
+    # an evaluation's headline and an RL step's metrics say it too
+    t = Trajectory("c/0", 0, 0, "c")
+    t.reward, t.status, t.turns, t.counters = 0.0, "ok", [{}], {"tool_errors/service_error": 2, "tool_calls/bm": 2}
+    assert "failed tool calls {'service_error': 2}" in headline("after RL", summarize([t]))
+    assert rollout_metrics([t])["episodes/tool_errors/service_error"] == 2.0

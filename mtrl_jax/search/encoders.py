@@ -260,9 +260,14 @@ class BertEncoder:
         return ids, mask
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
+        from tqdm import tqdm
+
         out = []
         order = np.argsort([len(t) for t in texts])  # similar lengths share a batch
-        for start in range(0, len(texts), self.batch_size):
+        # a corpus takes minutes on a CPU (12-20 on 2 cores for the real recipe's): say how far it is; a query
+        # batch is silent
+        starts = range(0, len(texts), self.batch_size)
+        for start in tqdm(starts, desc="embedding", unit="batch", disable=len(texts) < EMBED_PROGRESS_FROM):
             batch = [texts[i] for i in order[start : start + self.batch_size]]
             ids, mask = self.tokenize(batch)
             out.append(np.asarray(self._encode(self.params, ids, mask)))
@@ -270,6 +275,9 @@ class BertEncoder:
         result = np.empty_like(emb)
         result[order] = emb
         return result.astype(np.float32)
+
+
+EMBED_PROGRESS_FROM = 2048  # texts encoded at once from which a progress bar is shown (a corpus, not queries)
 
 
 def minilm_path() -> pathlib.Path | None:
