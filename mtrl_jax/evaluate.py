@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from mtrl_jax import distributed, rng, stats
-from mtrl_jax.checkpoint import Checkpoints, abstract_state, check_saved_config
+from mtrl_jax.checkpoint import Checkpoints, check_saved_config
 from mtrl_jax.metrics import summarize, trajectory_score, write_trajectories
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest, fitted_slots
 from mtrl_jax.rollout.staleness import PublishedParams
@@ -31,9 +31,8 @@ from mtrl_jax.search.metrics import write_trec_run
 from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.data.collection import test_split
 from mtrl_jax.setup import build, build_data, load_collections, search_settings, split_sizes
-from mtrl_jax.warmup import use_warmed_base, warmed_up_policy
+from mtrl_jax.warmup import STAGES, restore_policy
 
-STAGES = ("rl", "warmup")  # what trained_policy loads: RL's latest checkpoint, or the finished warm-up
 EVAL_SPLITS = ("dev", "test")  # what an evaluation reads; test only through evaluate_test and its ledger
 LEDGER = "test_evaluations.jsonl"  # in the evaluated work directory: one line per reading of its test split
 
@@ -142,7 +141,7 @@ def _evaluate(config, out_dir, checkpoint, samples, tau, stage, tasks) -> tuple[
         components, params = trained_policy(config, checkpoint, stage)
     else:
         components = build(config, out)  # the base policy: the checkpoint's, or the untrained tiny model
-        params = components.updater.full(components.params)
+        params = components.policy.full()
     tasks = list(components.dev_tasks if tasks is None else tasks)
     temperature = config.rollout.temperature if samples > 1 else config.eval.temperature
     collector_cfg = dataclasses.replace(
@@ -310,7 +309,7 @@ def git_commit() -> str:
 def trained_policy(config, workdir, stage: str = "rl"):
     """``(components, every parameter of the policy)``: with ``stage="rl"`` workdir's latest checkpoint (the
     trained policy, adapters included), with ``stage="warmup"`` its finished warm-up (the policy RL started
-    from, whatever checkpoints RL has kept since)."""
+    from, whatever checkpoints RL has kept since); ``warmup.restore_policy``, read-only."""
     workdir = pathlib.Path(workdir)
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: one of {STAGES}")
@@ -322,22 +321,6 @@ def trained_policy(config, workdir, stage: str = "rl"):
     components = build(config, workdir, train_tokenizer_if_missing=False)
     checkpoints = Checkpoints(workdir)
     try:
-        if stage == "warmup":
-            return components, components.updater.full(warmed_up_policy(components, checkpoints))
-        use_warmed_base(components, checkpoints)  # warmup.train_base: adapters over the warmed-up base
+        return components, restore_policy(components, checkpoints, stage).full()
     finally:
         checkpoints.close()
-    return components, components.updater.full(restore_params(workdir, components))
-
-
-def restore_params(workdir: pathlib.Path, components):
-    """The trainable parameters of ``workdir``'s latest checkpoint (the adapters, with LoRA)."""
-    checkpoints = Checkpoints(workdir)
-    try:
-        like = abstract_state(components.tx, components.params, jax.random.PRNGKey(0))
-        restored = checkpoints.restore(like, read_only=True)  # a reader never moves a checkpoint
-    finally:
-        checkpoints.close()
-    if restored is None:
-        raise FileNotFoundError(f"{workdir}: no checkpoint under {workdir / 'checkpoints'}")
-    return restored[0].params

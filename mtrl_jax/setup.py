@@ -25,6 +25,7 @@ from mtrl_jax.data.schedule import TaskSchedule
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.model import ModelConfig, init_params, load_hf_checkpoint, lora
 from mtrl_jax.model.sharding import make_mesh
+from mtrl_jax.model.lora import Policy
 from mtrl_jax.rl.advantages import ESTIMATORS
 from mtrl_jax.rl.batch import bucket
 from mtrl_jax.rl.losses import LOSSES
@@ -111,7 +112,7 @@ class Components:
     mesh: Any  # the global mesh: update, warm-up, log-prob recomputation
     rollout_mesh: Any  # this process's devices (the global mesh itself with one process): rollouts
     model_cfg: ModelConfig
-    params: Any  # the initial trainable parameters (every parameter, or the LoRA adapters: updater.frozen is the rest)
+    policy: Policy  # the initial policy: its base (frozen under LoRA adapters; {} without) and trainable parameters
     tx: optax.GradientTransformation
     updater: Updater
     collector: CollectorConfig
@@ -681,9 +682,9 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
         mesh=mesh,
         rollout_mesh=rollout_mesh,
         model_cfg=model_cfg,
-        params=params,
+        policy=Policy(frozen, params),
         tx=tx,
-        updater=Updater(model_cfg, update_cfg, tx, mesh, frozen),
+        updater=Updater(model_cfg, update_cfg, tx, mesh),
         collector=collector_cfg,
         schedule=schedule,
         run=run,

@@ -26,7 +26,8 @@ from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slot
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.setup import Components, build
-from mtrl_jax.warmup import resume_or_warm_up, use_warmed_base
+from mtrl_jax.model import lora
+from mtrl_jax.warmup import restore_policy, resume_or_warm_up, rl_policy
 
 log = logging.getLogger("mtrl_jax")
 
@@ -37,7 +38,8 @@ class Trainer:
         run = c.run
         self.workdir = pathlib.Path(workdir)
         self.checkpoints = Checkpoints(self.workdir, run.checkpoint_keep)
-        self.state = c.updater.init_state(c.params, rng.key(run.seed, "train"))
+        self.base = c.policy.base  # what the update and the sampler see beside the trainable parameters
+        self.state = c.updater.init_state(c.policy.trainable, rng.key(run.seed, "train"))
         self.record = RunRecord(cursor=DataCursor(shuffle_seed=run.seed))
         self.ref_params = None
         self.published = PublishedParams(None, 0, c.collector.param_dtype)
@@ -64,7 +66,7 @@ class Trainer:
     def publish(self, trainable, version: int) -> None:
         """The policy of these trainable parameters to the rollouts (a copy on this process's devices with several)."""
         self.published.publish(
-            distributed.to_rollout_mesh(self.c.updater.full(trainable), self.c.rollout_mesh), version
+            distributed.to_rollout_mesh(lora.merge(self.base, trainable), self.c.rollout_mesh), version
         )
 
     def trajectory_file(self, name: str):
@@ -102,7 +104,7 @@ class Trainer:
             trajectories, run.group_size, pad_id=self.c.chat.pad_id, length=run.batch_length, no_gradient=no_gradient
         )
         start = time.perf_counter()
-        self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params)
+        self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params, self.base)
         advantages = distributed.fetch(update_metrics.pop("advantages"))  # [B], batch-sharded on the mesh
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's scalars
         metrics = {"time/update_s": time.perf_counter() - start}  # old / reference log-probs, loss, backward, optimizer
@@ -122,7 +124,8 @@ class Trainer:
         if restored is not None:
             self.state, self.record = restored
             log.info("resumed from %s at RL step %d", self.workdir / "checkpoints", self.record.rl_step)
-            use_warmed_base(self.c, self.checkpoints)  # warmup.train_base: the base the adapters train over
+            if self.c.warmup is not None and self.c.warmup.train_base:  # the base the adapters train over
+                self.base = restore_policy(self.c, self.checkpoints, "warmup").base
             if distributed.is_primary():
                 M.truncate_logs(self.workdir, self.record.rl_step)
             self.publish(self.state.params, self.record.rl_step)
@@ -152,9 +155,8 @@ class Trainer:
         if progress.step < self.c.warmup.steps:
             log.warning("stopped: warm-up progress written at step %d of %d", progress.step, self.c.warmup.steps)
             raise SystemExit(self.stop_code or 143)
-        trainable = progress.params
-        if self.c.warmup.train_base:  # the warmed-up base is frozen; the fresh adapters (B = 0) train in RL
-            self.c.updater.frozen, trainable = progress.params, self.state.params
+        # with warmup.train_base the warmed-up base is frozen and the fresh adapters (B = 0) train in RL
+        self.base, trainable = rl_policy(self.c, progress.params)
         self.state = self.c.updater.init_state(trainable, self.state.rng)
         self.publish(trainable, 0)
 
@@ -163,11 +165,12 @@ class Trainer:
         run, kl = self.c.run, bool(self.c.updater.config.objective.kl_coef)
         if jax.process_count() != 1 or run.total_steps == 0:
             return None
-        self.c.updater.warm(self.state, run.global_batch_size * run.group_size, run.batch_length, run.group_size, kl)
+        rows = run.global_batch_size * run.group_size
+        self.c.updater.warm(self.state, rows, run.batch_length, run.group_size, kl, self.base)
         if not self.collector.config.precompile:
             return None
         # the evaluation's shapes first: it runs first
-        return BackgroundCompile((self.eval_collector, self.collector), self.c.updater.full(self.state.params))
+        return BackgroundCompile((self.eval_collector, self.collector), lora.merge(self.base, self.state.params))
 
     def _step(self, step: int, async_rollouts) -> dict:
         """RL step ``step``: its groups (rollout thread, or collected now), the update, new parameters published."""

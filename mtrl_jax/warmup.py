@@ -35,8 +35,9 @@ import optax
 
 from mtrl_jax import rng as seeds
 from mtrl_jax.chat import render_answer, render_tool_call
-from mtrl_jax.checkpoint import CheckpointError
+from mtrl_jax.checkpoint import CheckpointError, abstract_state
 from mtrl_jax.model import lora
+from mtrl_jax.model.lora import Policy
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import bucket, pad_rows
@@ -766,12 +767,21 @@ def warmup_model(components) -> tuple[ModelConfig, dict]:
     frozen base, or every parameter), or with ``warmup.train_base`` the base model alone, all of it trained."""
     if components.warmup.train_base:
         return components.model_cfg.replace(lora_rank=0), {}
-    return components.model_cfg, components.updater.frozen
+    return components.model_cfg, components.policy.base
 
 
 def warmed_parameters(components, trainable):
     """What the warm-up trains: RL's ``trainable`` parameters, or with ``warmup.train_base`` the base."""
-    return components.updater.frozen if components.warmup.train_base else trainable
+    return components.policy.base if components.warmup.train_base else trainable
+
+
+def rl_policy(components, warmed) -> Policy:
+    """The policy RL starts from, given what the finished warm-up trained (``warmed``): RL's trainable
+    parameters over the initial base, or with ``warmup.train_base`` the initial (fresh) adapters over the
+    warmed-up base."""
+    if components.warmup is not None and components.warmup.train_base:
+        return Policy(warmed, components.policy.trainable)
+    return Policy(components.policy.base, warmed)
 
 
 def resume_or_warm_up(
@@ -796,40 +806,38 @@ def resume_or_warm_up(
     return progress
 
 
-def use_warmed_base(components, checkpoints) -> None:
-    """With ``warmup.train_base``, the updater's frozen base becomes the one the warm-up trained (a run that
-    resumes RL, a trained policy loaded for evaluation or export); otherwise nothing changes."""
+STAGES = ("rl", "warmup")  # what restore_policy reads: RL's latest checkpoint, or the finished warm-up
+
+
+def restore_policy(components, checkpoints, stage: str) -> Policy:
+    """The policy a work directory (``checkpoints``) holds, read-only (no checkpoint is moved): with
+    ``stage="warmup"`` the one RL started from (its finished warm-up); with ``stage="rl"`` RL's latest
+    checkpoint, its trainable parameters over the base RL trained over (with ``warmup.train_base``, the one the
+    warm-up trained). A resumed run takes its base from here, and the evaluation and the export the whole of it."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: one of {STAGES}")
+    if stage == "warmup":
+        if components.warmup is None:
+            raise ValueError("the config has no warm-up (warmup.steps=0), so a run of it has no warmed-up policy")
+        return rl_policy(
+            components, restore_finished_warmup(components, checkpoints, "the warmed-up policy was asked for, but the")
+        )
+    base = components.policy.base
     if components.warmup is not None and components.warmup.train_base:
-        components.updater.frozen = restore_warmed_base(components, checkpoints)
-
-
-def restore_warmed_base(components, checkpoints):
-    """The warmed-up base that RL's adapters train over (``warmup.train_base``), from the work directory's
-    warm-up checkpoint: a run that resumes RL, or a trained policy loaded for evaluation or export."""
-    return restore_finished_warmup(
-        components,
-        checkpoints,
-        "warmup.train_base=True, and the RL adapters train over the base the warm-up trained, but its",
-    )
-
-
-def warmed_up_policy(components, checkpoints):
-    """RL's trainable parameters as the finished warm-up left them (with ``warmup.train_base``, the fresh
-    adapters, and the updater's frozen base becomes the warmed-up one): the policy RL started from."""
-    if components.warmup is None:
-        raise ValueError("the config has no warm-up (warmup.steps=0), so a run of it has no warmed-up policy")
-    warmed = restore_finished_warmup(components, checkpoints, "the warmed-up policy was asked for, but the")
-    if components.warmup.train_base:
-        components.updater.frozen = warmed
-        return components.params
-    return warmed
+        why = "warmup.train_base=True, and the RL adapters train over the base the warm-up trained, but its"
+        base = restore_finished_warmup(components, checkpoints, why)
+    like = abstract_state(components.tx, components.policy.trainable, jax.random.PRNGKey(0))
+    restored = checkpoints.restore(like, read_only=True)
+    if restored is None:
+        raise FileNotFoundError(f"{checkpoints.workdir}: no checkpoint under {checkpoints.workdir / 'checkpoints'}")
+    return Policy(base, restored[0].params)
 
 
 def restore_finished_warmup(components, checkpoints, why: str):
     """What the work directory's finished warm-up trained (``warmed_parameters``); a ``CheckpointError`` that
     names the directory (``why`` opens its reason) when the warm-up checkpoint is missing or unfinished."""
     cfg = components.warmup
-    like = warmed_parameters(components, components.params)
+    like = warmed_parameters(components, components.policy.trainable)
     like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, like)
     saved = checkpoints.restore_warmup(like, like_opt)
     if saved is None or saved[2]["step"] < cfg.steps:

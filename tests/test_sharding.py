@@ -90,9 +90,8 @@ def one_rl_step(chat, cfg, params, mesh, lora_rank=0):
         UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1),
         optax.sgd(0.5),
         mesh,
-        frozen,
     )
-    state, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(1)), batch)
+    state, metrics = updater.update(updater.init_state(params, jax.random.PRNGKey(1)), batch, base=frozen)
     return trajectories, state, metrics
 
 

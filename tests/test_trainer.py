@@ -513,8 +513,9 @@ def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adap
     """tools/export_hf on a work directory of one LoRA RL step: the merged export reloads as a plain model whose
     logits are the trained policy's (adapters included); --peft writes the adapters alone."""
     from experiments.sweep import load_config
-    from mtrl_jax.evaluate import restore_params
+    from mtrl_jax.checkpoint import Checkpoints
     from mtrl_jax.model import compute_logits, load_hf_checkpoint, lora
+    from mtrl_jax.warmup import restore_policy
     from mtrl_jax.model.transformer import Transformer
     from mtrl_jax.setup import build
     from tools import export_hf
@@ -525,7 +526,7 @@ def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adap
     export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "merged"), *SMALL, *run])
     export_hf.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "peft"), "--peft", *SMALL, *run])
     c = build(load_config("configs/default.py", [*SMALL, *run]), tmp_path / "run", train_tokenizer_if_missing=False)
-    trained = c.updater.full(restore_params(tmp_path / "run", c))
+    trained = restore_policy(c, Checkpoints(tmp_path / "run"), "rl").full()
     _, adapters = lora.split(trained)
     b_leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(adapters)[0] if "lora_b" in str(path[-1])]
     assert b_leaves and any(np.abs(np.asarray(b)).max() > 0 for b in b_leaves)  # B moved off zero: trained
@@ -559,9 +560,14 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
     a resumed run and the trained-policy loader (evaluation, export) take from the warm-up checkpoint; without
     that checkpoint a resumed run stops with an error naming it."""
     from experiments.sweep import load_config
-    from mtrl_jax.evaluate import restore_params, trained_policy
+    from mtrl_jax.checkpoint import Checkpoints
+    from mtrl_jax.evaluate import trained_policy
     from mtrl_jax.model import lora
     from mtrl_jax.setup import build
+    from mtrl_jax.warmup import restore_policy
+
+    def restore_params(workdir, components):  # RL's latest trainable parameters (the adapters)
+        return restore_policy(components, Checkpoints(workdir), "rl").trainable
 
     run = ["--config.model.lora_rank=4", "--config.warmup.train_base=True", "--config.rl.kl_coef=0.0"]
     run += ["--config.rl.entropy_coef=0.01", "--config.optim.warmup_steps=0"]  # a gradient whatever the rewards
@@ -577,7 +583,7 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
         export_hf.export(config, tmp_path / "run", tmp_path / "peft", peft=True)
     assert not (tmp_path / "peft").exists()
     c, trained = trained_policy(config, tmp_path / "run")
-    initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).updater.frozen
+    initial = build(config, tmp_path / "run", train_tokenizer_if_missing=False).policy.base
     _, warm = trained_policy(config, tmp_path / "run", stage="warmup")  # the warmed-up base, fresh adapters
     warm_base, warm_adapters = lora.split(warm)
     warmed = ocp.StandardCheckpointer().restore((tmp_path / "run/warmup/state").absolute())["params"]

@@ -207,7 +207,7 @@ def compile_update(cfg, mesh, args, flop_count: bool = False):
         # branches of the trainer's lax.switch need less, and each would be compiled again for nothing)
         length_bucket=T,
     )
-    return Updater(cfg, config, tx, mesh, frozen).lower(state, batch, params if args.kl else None).compile()
+    return Updater(cfg, config, tx, mesh).lower(state, batch, params if args.kl else None, frozen).compile()
 
 
 def compile_decode(cfg, mesh, args, flop_count: bool = False):

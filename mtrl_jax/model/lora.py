@@ -17,7 +17,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,19 @@ _MODULE = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "u
 
 def is_adapter(name: str) -> bool:
     return name.endswith(SUFFIXES)
+
+
+class Policy(NamedTuple):
+    """A policy's parameters as the two trees the code keeps apart: ``base``, which does not train (the frozen
+    model under LoRA adapters; empty without adapters), and ``trainable`` (the adapters, or every parameter).
+    One value, passed to whatever needs it (the update, the sampler, an export); nothing holds one to assign."""
+
+    base: Any
+    trainable: Any
+
+    def full(self) -> dict:
+        """The whole parameter tree the model runs."""
+        return merge(self.base, self.trainable)
 
 
 def split(params: dict) -> tuple[dict, dict]:

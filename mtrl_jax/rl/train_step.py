@@ -492,7 +492,8 @@ def update_step(
 class Updater:
     """``update_step`` jitted for one model, update config and optimizer. With a ``mesh`` it runs with
     the logical-axis rules active and the batch split over ``data`` x ``fsdp``; the train state keeps
-    the parameters' shardings (the optimizer state follows them)."""
+    the parameters' shardings (the optimizer state follows them). The parameters that do not train (the base
+    under LoRA adapters: ``lora.Policy.base``) are an argument of every call, never held here."""
 
     def __init__(
         self,
@@ -500,12 +501,8 @@ class Updater:
         config: UpdateConfig,
         tx: optax.GradientTransformation,
         mesh: Optional[Mesh] = None,
-        frozen=None,
     ):
         self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
-        # the parameters that do not train (the base model under LoRA adapters; empty without): every call
-        # passes them, as an argument (not a constant baked into the program), never to the optimizer
-        self.frozen = {} if frozen is None else frozen
 
         # The optimizer state is donated: the new moments are written over the old ones, which saves
         # twice the parameters' size (Adam) at the update's peak. The parameters are not: they are
@@ -526,22 +523,19 @@ class Updater:
         arrays = (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp, batch.reward)
         return tuple((tuple(x.shape), str(x.dtype)) for x in arrays) + (batch.group_size, ref_params is None)
 
-    def full(self, trainable):
-        """The whole parameter tree of the policy whose trainable part is ``trainable`` (what the sampler runs)."""
-        return lora.merge(self.frozen, trainable)
-
     def init_state(self, params, rng) -> TrainState:
         with activate(self.mesh):
             return on_mesh(init_state(self.tx, params, rng), self.mesh)
 
-    def lower(self, state: TrainState, batch: TrajectoryBatch, ref_params=None):
+    def lower(self, state: TrainState, batch: TrajectoryBatch, ref_params=None, base=None):
         """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
-        ``.compile()`` and its memory and cost analyses (``tools/plan_scale.py``)."""
+        ``.compile()`` and its memory and cost analyses (``tools/plan_scale.py``); ``base``: the parameters
+        that do not train (``{}`` without adapters)."""
         with activate(self.mesh):
-            return self._update.lower(*state, batch, ref_params, self.frozen)
+            return self._update.lower(*state, batch, ref_params, {} if base is None else base)
 
     def warm(
-        self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool
+        self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool, base=None
     ) -> threading.Thread:
         """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
         the first real update finds its program ready. The trainer starts this before the warm-up and
@@ -559,7 +553,7 @@ class Updater:
         signature = self._signature(empty, ref)
 
         def compile_update():
-            self._compiled[signature] = self.lower(state, place_batch(empty, self.mesh), ref).compile()
+            self._compiled[signature] = self.lower(state, place_batch(empty, self.mesh), ref, base).compile()
 
         thread = threading.Thread(target=compile_update, daemon=True, name="update-compile")
         self._warming[signature] = thread
@@ -571,15 +565,16 @@ class Updater:
         for thread in list(self._warming.values()):
             thread.join()
 
-    def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None) -> tuple[TrainState, dict]:
-        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``).
+    def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None, base=None) -> tuple[TrainState, dict]:
+        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``); ``base``: the
+        parameters that do not train, which the forward pass sees (``{}`` without adapters).
         ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
         signature = self._signature(batch, ref_params)
         if (thread := self._warming.pop(signature, None)) is not None:
             thread.join()  # warm() is compiling this very program
         update = self._compiled.get(signature, self._update)
         with activate(self.mesh):
-            return update(*state, place_batch(batch, self.mesh), ref_params, self.frozen)
+            return update(*state, place_batch(batch, self.mesh), ref_params, {} if base is None else base)
 
 
 class NonFiniteGuard:
