@@ -816,16 +816,14 @@ def restore_policy(components, checkpoints, stage: str) -> Policy:
     warm-up trained). A resumed run takes its base from here, and the evaluation and the export the whole of it."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: one of {STAGES}")
+    train_base = components.warmup is not None and components.warmup.train_base
+    why = "warmup.train_base=True, and the RL adapters train over the base the warm-up trained, but its"
     if stage == "warmup":
         if components.warmup is None:
             raise ValueError("the config has no warm-up (warmup.steps=0), so a run of it has no warmed-up policy")
-        return rl_policy(
-            components, restore_finished_warmup(components, checkpoints, "the warmed-up policy was asked for, but the")
-        )
-    base = components.policy.base
-    if components.warmup is not None and components.warmup.train_base:
-        why = "warmup.train_base=True, and the RL adapters train over the base the warm-up trained, but its"
-        base = restore_finished_warmup(components, checkpoints, why)
+        asked = why if train_base else "the warmed-up policy was asked for, but the"
+        return rl_policy(components, restore_finished_warmup(components, checkpoints, asked))
+    base = restore_finished_warmup(components, checkpoints, why) if train_base else components.policy.base
     like = abstract_state(components.tx, components.policy.trainable, jax.random.PRNGKey(0))
     restored = checkpoints.restore(like, read_only=True)
     if restored is None:

@@ -98,7 +98,7 @@ class _Updater:
         self.config = types.SimpleNamespace(rows_per_micro_batch_divisor=divisor)
         self.batches = []
 
-    def update(self, state, batch, ref_params):
+    def update(self, state, batch, ref_params, base=None):
         self.batches.append(batch)
         return state, {
             "advantages": np.asarray(batch.reward),
@@ -142,6 +142,7 @@ def _trainer(tmp_path, rewards_of, filter_groups, max_extra, truncation="penalty
         None,
         None,
     )
+    trainer.base = {}  # no adapters: nothing beside the trainable parameters
     trainer.nonfinite = NonFiniteGuard(3)
     trainer.collector = _Collector(rewards_of)
     trainer.rollouts = StepRollouts(trainer.collector, trainer.c.schedule, tasks, run.seed, run.group_size, max_extra)
