@@ -452,10 +452,26 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
     )
 
 
-def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
+def _bm25_teacher(env, chat, tasks, **settings):
+    """The fields ``demonstrations`` reads, for a teacher that makes one BM25 search for 2 results."""
     import types
 
     from mtrl_jax.setup import WarmupSettings
+
+    defaults = dict(steps=1, batch_size=1, learning_rate=0.0, augment=0, tools=("bm25_search",), tool_probs=(1.0,))
+    defaults.update(top_ks=(2,), top_k_probs=(1.0,), hop=0.0, hop_tool_probs=(1.0,))
+    return types.SimpleNamespace(
+        warmup=WarmupSettings(**{**defaults, **settings}),
+        run=types.SimpleNamespace(seed=0),
+        env=env,
+        chat=chat,
+        collector=types.SimpleNamespace(max_len=4096, max_tokens_per_turn=256),
+        train_tasks=tasks,
+    )
+
+
+def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
+
     from mtrl_jax.warmup import assistant_turns, turn_end, demonstrations
 
     docs = [
@@ -481,29 +497,7 @@ def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
     )
 
     def demos(drills):
-        settings = WarmupSettings(
-            steps=1,
-            batch_size=1,
-            learning_rate=0.0,
-            augment=0,
-            tools=("bm25_search",),
-            tool_probs=(1.0,),
-            top_ks=(2,),
-            top_k_probs=(1.0,),
-            hop=0.0,
-            hop_tool_probs=(1.0,),
-            hop_drills=drills,
-        )
-        return demonstrations(
-            types.SimpleNamespace(
-                warmup=settings,
-                run=types.SimpleNamespace(seed=0),
-                env=env,
-                chat=chat,
-                collector=types.SimpleNamespace(max_len=4096, max_tokens_per_turn=256),
-                train_tasks=tasks,
-            )
-        )
+        return demonstrations(_bm25_teacher(env, chat, tasks, hop_drills=drills))
 
     plain = demos(0)
     assert len(plain) == 6 and all(assistant_turns(m) == 2 for _, m in plain)  # the teacher never hops on its own
@@ -738,12 +732,10 @@ def test_failed_tool_calls_are_counted_and_said_in_every_phase():
     """Issue 71, item 17: a tool service failing while the demonstrations were built, or during an evaluation,
     was said nowhere (240 s of silence, then a worse cold start)."""
     import socket
-    import types
 
     from mtrl_jax.metrics import headline, rollout_metrics, summarize
     from mtrl_jax.rollout.trajectory import Trajectory
     from mtrl_jax.search.tools import RemoteSearchTool, ServiceHealth
-    from mtrl_jax.setup import WarmupSettings
     from mtrl_jax.warmup import demonstrations
 
     with socket.socket() as s:  # a port nothing listens on: every call is refused at once
@@ -757,28 +749,8 @@ def test_failed_tool_calls_are_counted_and_said_in_every_phase():
         Collection("c", docs, tasks), SearchSettings(tools=()), SearchEnvConfig(tool_prompt="compact"), [failing]
     )
     chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5 + ['<tool_call>\n{"name": "bm25_search"}'] * 5, 300))
-    settings = WarmupSettings(
-        steps=1,
-        batch_size=1,
-        learning_rate=0.0,
-        augment=0,
-        tools=("bm25_search",),
-        tool_probs=(1.0,),
-        top_ks=(2,),
-        top_k_probs=(1.0,),
-        hop=0.0,
-        hop_tool_probs=(1.0,),
-    )
     said = []
-    components = types.SimpleNamespace(
-        warmup=settings,
-        run=types.SimpleNamespace(seed=0),
-        env=env,
-        chat=chat,
-        collector=types.SimpleNamespace(max_len=4096, max_tokens_per_turn=256),
-        train_tasks=tasks,
-    )
-    demonstrations(components, log=said.append)
+    demonstrations(_bm25_teacher(env, chat, tasks), log=said.append)
     assert said and "failed tool calls {'service_error': 3}" in said[-1], said
     # an evaluation's headline and an RL step's metrics say it too
     t = Trajectory("c/0", 0, 0, "c")
