@@ -28,7 +28,7 @@ import sys
 import time
 
 from benchmarks.common import REPO, machine_line, ratio
-from experiments.ablate import cell_name, parse_grid, parse_seeds
+from experiments.ablate import cell_name, grid_cells, parse_grid, parse_seeds, wall_seconds
 from experiments.sweep import timed_run
 
 GRID = ("rl.loss=ppo,cispo,is", "rl.advantage=grpo,rloo,grpo_passk")
@@ -36,8 +36,7 @@ EQUIVALENCE = 0.03  # half-width under which every pair's interval is an equival
 
 
 def wall(workdir: pathlib.Path) -> float:
-    path = workdir / "wall_seconds.txt"
-    return float(path.read_text()) if path.exists() else float("nan")
+    return wall_seconds(workdir, missing=float("nan"))
 
 
 def main(argv=None):
@@ -68,7 +67,7 @@ def main(argv=None):
     per_seed_warmup = {}
     for name, s in warmup_of.items():
         per_seed_warmup.setdefault(int(name.split("-")[0].removeprefix("seed_")), []).append(s)
-    cells = [tuple(zip([f for f, _ in parse_grid(grid_args)], v)) for v in _product(parse_grid(grid_args))]
+    cells = grid_cells(parse_grid(grid_args))
     # one warm-up per seed here (the grid reads no warm-up field): every arm-seed would train it again
     unshared_s = arms_s + len(cells) * sum(sum(per_seed_warmup.get(seed, [float("nan")])) for seed in seeds)
     print(
@@ -141,12 +140,6 @@ def test_report(args, out: pathlib.Path, cell, seeds, overrides) -> None:
             base = np.array([[s[name][tool][i] for i in ids] for s in per_seed])
             diff = stats.paired(policy, base)
             print(f"  against one {tool} search ({base.mean():.4f}): {diff.text()}: {stats.verdict(diff)}")
-
-
-def _product(grid):
-    import itertools
-
-    return itertools.product(*[values for _, values in grid])
 
 
 if __name__ == "__main__":

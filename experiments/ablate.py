@@ -42,7 +42,7 @@ import numpy as np
 
 from experiments.sweep import load_config, timed_run
 from mtrl_jax import stats
-from mtrl_jax.metrics import task_scores
+from mtrl_jax.metrics import flatten, task_scores
 
 # Fields no part of the warm-up reads (the RL objective and optimizer, the rollout's sampling and scheduling,
 # the evaluations, checkpoints and logs). Every other field is part of the warm-up's key: a field missing
@@ -69,17 +69,6 @@ WARMUP_READS_RL = {"rl.logprob_chunk", "rl.max_nonfinite_steps"}  # under rl., b
 SHARED_FILES = ("warmup", "tokenizer.json")  # what an arm's work directory gets from its seed's warm-up
 
 
-def flatten(config, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if hasattr(value, "items"):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def reads_warmup(field: str) -> bool:
     """Whether the warm-up may read ``field`` (a dotted config path)."""
     if field in WARMUP_READS_RL:
@@ -90,7 +79,7 @@ def reads_warmup(field: str) -> bool:
 def warmup_key(config) -> str:
     """A hash of every field the warm-up may read (the seed included): two configs with the same key
     warm up to the same parameters."""
-    fields = {k: v for k, v in flatten(config.to_dict()).items() if reads_warmup(k)}
+    fields = {k: v for k, v in flatten(config.to_dict(), sep=".").items() if reads_warmup(k)}
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -118,6 +107,11 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def grid_cells(grid) -> list[tuple]:
+    """Every arm of ``grid`` (``[(field, values)]``): a tuple of ``(field, value)``, in the grid's order."""
+    return [tuple(zip([f for f, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
+
+
 def cell_name(cell) -> str:
     return ",".join(f"{field.split('.')[-1]}={value}" for field, value in cell)
 
@@ -142,7 +136,7 @@ class Ablation:
     def __init__(self, config_path: str, grid, seeds, out: pathlib.Path, overrides, eval_every: int):
         self.config_path, self.seeds, self.out = config_path, seeds, pathlib.Path(out)
         self.overrides = [f"--config.eval.every_steps={eval_every}", *overrides]
-        self.cells = [tuple(zip([f for f, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
+        self.cells = grid_cells(grid)
         self.used: dict = {}  # (cell, seed) -> the warm-up directory its arm started from
         self.trained_now = 0  # warm-ups trained by this invocation (a rerun finds the others done)
 
@@ -169,17 +163,12 @@ class Ablation:
         print(f"{label}{' '.join(cmd[2:])}", flush=True)
         timed_run(cmd, workdir / "wall_seconds.txt")
 
-    def warm_up(self, cell, seed: int) -> pathlib.Path | None:
-        """The seed's warm-up for ``cell`` (trained now unless an earlier arm or invocation has it)."""
-        where = self.warmup_dir(cell, seed)
-        if where is None:
-            return None
-        self.used[(cell, seed)] = where
+    def warm_up(self, cell, seed: int, where: pathlib.Path) -> None:
+        """The seed's warm-up for ``cell`` in ``where`` (trained now unless an earlier arm or invocation has it)."""
         if not (where / "warmup_done").exists():
             self.run(self.flags(cell, seed), where, "warmup", f"[warm-up seed {seed}] ")
             (where / "warmup_done").write_text(f"{cell_name(cell)}\n")
             self.trained_now += 1
-        return where
 
     def warmup_counts(self) -> dict:
         """``trained``: the warm-ups the arms started from (each trained once); ``reused``: the arm runs that
@@ -196,7 +185,8 @@ class Ablation:
         if (workdir / "summary.json").exists():
             print(f"[{cell_name(cell)}] [seed {seed}] done already", flush=True)
             return workdir
-        shared = self.warm_up(cell, seed)
+        if shared is not None:
+            self.warm_up(cell, seed, shared)
         if shared is not None and not (workdir / "checkpoints").exists():
             workdir.mkdir(parents=True, exist_ok=True)
             for name in SHARED_FILES:
@@ -211,15 +201,16 @@ class Ablation:
         return workdir
 
     def arm_wall_seconds(self, cell) -> float:
-        return sum(_wall(self.out / cell_name(cell) / f"seed_{s}") for s in self.seeds)
+        return sum(wall_seconds(self.out / cell_name(cell) / f"seed_{s}") for s in self.seeds)
 
     def warmup_wall_seconds(self) -> float:
-        return sum(_wall(p) for p in (self.out / "warmups").glob("seed_*"))
+        return sum(wall_seconds(p) for p in (self.out / "warmups").glob("seed_*"))
 
 
-def _wall(workdir: pathlib.Path) -> float:
+def wall_seconds(workdir: pathlib.Path, missing: float = 0.0) -> float:
+    """The seconds a run (or a warm-up) took, as ``experiments.sweep.timed_run`` records them."""
     wall = workdir / "wall_seconds.txt"
-    return float(wall.read_text()) if wall.exists() else 0.0
+    return float(wall.read_text()) if wall.exists() else missing
 
 
 def score_matrix(workdirs, stage: str = "after") -> tuple[np.ndarray, list[str]]:

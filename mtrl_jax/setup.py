@@ -623,28 +623,26 @@ def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
     )
 
 
-def check_config(config) -> None:
+def check_config(config) -> tuple[UpdateConfig, CollectorConfig, Optional[WarmupSettings], RunSettings]:
     """Every check a config's own fields allow, with no data, model or file read: ranges, the model fields, the
-    update, the collector, the warm-up and the run (each raises a ``ValueError`` naming its field). The entry
-    points call it before they create anything, ``build`` again."""
+    update, the collector, the warm-up and the run (each raises a ``ValueError`` naming its field); returns those
+    settings. The entry points call it before they create anything; ``build`` starts from it."""
     ranges.check(config)
     check_model_fields(config)
     update_cfg = update_config(config)
-    collector_config(config)
-    warmup_settings(config)
-    run_settings(config, update_cfg.rows_per_micro_batch_divisor)
+    return (
+        update_cfg,
+        collector_config(config),
+        warmup_settings(config),
+        run_settings(config, update_cfg.rows_per_micro_batch_divisor),
+    )
 
 
 def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
     """Every component of a run of ``config`` whose files live in ``workdir``."""
     workdir = pathlib.Path(workdir)
-    ranges.check(config)  # every numeric field in its range, before anything else
-    check_model_fields(config)
+    update_cfg, collector_cfg, warmup, run = check_config(config)  # cheap checks first: before any data is loaded
     use_compilation_cache(config)
-    update_cfg = update_config(config)  # cheap checks first: a typo fails before any data is loaded
-    collector_cfg = collector_config(config)
-    warmup = warmup_settings(config)
-    run = run_settings(config, update_cfg.rows_per_micro_batch_divisor)
     collections, train_tasks, dev_tasks = build_data(config)
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
