@@ -85,15 +85,25 @@ def warmup_key(config) -> str:
 
 
 def parse_grid(items):
+    """``--grid`` items as ``[(fields, values)]``: ``field=v1,v2`` gives one field; ``f1+f2=a1+a2,b1+b2``
+    varies fields together (each value names one value per field), for settings valid only jointly, such as
+    ``model.lora_rank+warmup.train_base=0+False,8+True``."""
     grid = []
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"--grid {item!r}: expected field=value1,value2")
-        field, values = item.split("=", 1)
-        values = [v for v in values.split(",") if v]
+            raise SystemExit(f"--grid {item!r}: expected field=value1,value2 or field1+field2=a1+a2,b1+b2")
+        spec, values = item.split("=", 1)
+        fields = tuple(spec.split("+"))
+        values = [tuple(v.split("+")) for v in values.split(",") if v]
         if not values:
             raise SystemExit(f"--grid {item!r}: no values")
-        grid.append((field, values))
+        for value in values:
+            if len(value) != len(fields):
+                raise SystemExit(
+                    f"--grid {item!r}: value {'+'.join(value)!r} gives {len(value)} values for "
+                    f"{len(fields)} fields ({spec})"
+                )
+        grid.append((fields, values))
     return grid
 
 
@@ -108,8 +118,11 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def grid_cells(grid) -> list[tuple]:
-    """Every arm of ``grid`` (``[(field, values)]``): a tuple of ``(field, value)``, in the grid's order."""
-    return [tuple(zip([f for f, _ in grid], values)) for values in itertools.product(*[v for _, v in grid])]
+    """Every arm of ``grid`` (``parse_grid``'s): a tuple of ``(field, value)``, in the grid's order."""
+    cells = []
+    for choice in itertools.product(*[values for _, values in grid]):
+        cells.append(tuple(pair for (fields, _), value in zip(grid, choice) for pair in zip(fields, value)))
+    return cells
 
 
 def cell_name(cell) -> str:
@@ -318,7 +331,9 @@ def plot(results: dict, path: pathlib.Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.py")
-    parser.add_argument("--grid", action="append", default=[], help="field=value1,value2 (repeatable)")
+    parser.add_argument(
+        "--grid", action="append", default=[], help="field=value1,value2 or f1+f2=a1+a2,b1+b2 (repeatable)"
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, e.g. 0,1,2,3,4")
     parser.add_argument("--out", default="workdirs/ablate")
     parser.add_argument("--eval-every", type=int, default=0, help="dev evaluation every N RL steps (0: before/after)")

@@ -166,3 +166,15 @@ def test_the_ablation_refuses_a_seed_override_and_bad_seeds():
     with pytest.raises(SystemExit, match="distinct"):
         ablate.parse_seeds("0,0")
     assert ablate.parse_seeds("0,1,2,3,4") == [0, 1, 2, 3, 4]
+
+
+def test_grid_fields_joined_by_plus_vary_together():
+    grid = ablate.parse_grid(["model.lora_rank+warmup.train_base=0+False,8+True", "optim.learning_rate=3e-4,1e-3"])
+    cells = ablate.grid_cells(grid)
+    assert len(cells) == 4
+    assert cells[0] == (("model.lora_rank", "0"), ("warmup.train_base", "False"), ("optim.learning_rate", "3e-4"))
+    assert cells[3] == (("model.lora_rank", "8"), ("warmup.train_base", "True"), ("optim.learning_rate", "1e-3"))
+    assert ablate.cell_name(cells[3]) == "lora_rank=8,train_base=True,learning_rate=1e-3"
+    with pytest.raises(SystemExit, match="gives 1 values for 2 fields"):
+        ablate.parse_grid(["model.lora_rank+warmup.train_base=0+False,8"])
+    assert ablate.grid_cells(ablate.parse_grid(["rl.loss=ppo,is"])) == [(("rl.loss", "ppo"),), (("rl.loss", "is"),)]
