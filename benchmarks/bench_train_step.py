@@ -65,7 +65,9 @@ from mtrl_jax.model.transformer import MLP, Transformer, causal_attention
 from mtrl_jax.rl.logprobs import token_logprobs
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
+from mtrl_jax.rl.optimizer import make_optimizer
+from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.updater import Updater
 
 BATCH = {"tiny": (32, 384), "30m": (8, 512)}
 CLIP_LOW, CLIP_HIGH, CLIP_DUAL, LR = 0.2, 0.28, 3.0, 1e-5

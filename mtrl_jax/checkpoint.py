@@ -37,7 +37,7 @@ from mtrl_jax import distributed
 from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.metrics import flatten
 from mtrl_jax.model.hf_io import is_float
-from mtrl_jax.rl.train_step import TrainState
+from mtrl_jax.rl.optimizer import TrainState
 
 log = logging.getLogger("mtrl_jax")
 

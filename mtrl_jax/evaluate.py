@@ -31,7 +31,7 @@ from mtrl_jax.search.metrics import write_trec_run
 from mtrl_jax.search.baselines import evaluate_retrieval
 from mtrl_jax.data.collection import test_split
 from mtrl_jax.setup import build, build_data, load_collections, search_settings, split_sizes
-from mtrl_jax.warmup import STAGES, restore_policy
+from mtrl_jax.coldstart.stage import STAGES, restore_policy
 
 EVAL_SPLITS = ("dev", "test")  # what an evaluation reads; test only through evaluate_test and its ledger
 LEDGER = "test_evaluations.jsonl"  # in the evaluated work directory: one line per reading of its test split

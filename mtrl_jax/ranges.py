@@ -41,7 +41,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "rollout.group_size": (2, 10**5, True),
     "rollout.temperature": (0, 100, True),
     "rollout.top_p": (0, 1, False),
-    "rollout.max_len": (16, 10**8, True),  # and the KV cache must fit the machine (setup.check_kv_cache)
+    "rollout.max_len": (16, 10**8, True),  # and the KV cache must fit the machine (model.build.check_kv_cache)
     "rollout.max_tokens_per_turn": (1, 10**8, True),
     "rollout.decode_chunk": (1, 10**6, True),
     "rollout.tool_workers": (0, 4096, True),
@@ -78,6 +78,21 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
+# why a bound is where it is, said with the error where the range alone does not say it
+REASONS = {
+    "max_steps": "0: whole epochs (max_epochs)",
+    "model.scan_unroll": "0: every layer unrolled",
+    "rollout.group_size": "group-relative advantages of a single sample are 0, so nothing would be learnt",
+    "rollout.max_staleness": "0: on-policy",
+    "optim.learning_rate": "a step of 0 trains nothing",
+    "warmup.two_turn_every": "0: never",
+    "warmup.min_reward": "-1: keep every demonstration",
+    "data.dev_fraction": "every run selects on its dev split",
+    "checkpoint.keep": "0 would delete every checkpoint, the trained policy's too",
+    "optim.grad_clip": "0: no clipping; a negative norm would flip the gradient",
+}
+
+
 def numeric_fields(config, prefix: str = ""):
     """``(dotted field, value)`` of every int or float field of an ``ml_collections`` config (not bools)."""
     for key, value in config.items():
@@ -96,6 +111,7 @@ def check(config) -> None:
             raise ValueError(f"{field}: no range is defined for this numeric field (mtrl_jax/ranges.py)")
         lo, hi, low_ok = RANGES[field]
         if not ((lo <= value if low_ok else lo < value) and value <= hi):
+            reason = f" ({REASONS[field]})" if field in REASONS else ""
             raise ValueError(
-                f"{field}={value!r} is out of range: expected {lo} {'<=' if low_ok else '<'} {field} <= {hi}"
+                f"{field}={value!r} is out of range: expected {lo} {'<=' if low_ok else '<'} {field} <= {hi}{reason}"
             )

@@ -5,6 +5,7 @@ work directory that holds a checkpoint is resumed. ``python -m experiments.run``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -21,13 +22,14 @@ from mtrl_jax.data.schedule import DataCursor
 from mtrl_jax.evaluate import eval_rows, evaluate_policy
 from mtrl_jax.host import stop_signals
 from mtrl_jax.rl.batch import make_batch
-from mtrl_jax.rl.train_step import NonFiniteGuard
-from mtrl_jax.rollout.collector import BackgroundCompile, Collector, fitted_slots
+from mtrl_jax.rl.guard import NonFiniteGuard
+from mtrl_jax.compile_ahead import Background
+from mtrl_jax.rollout.collector import Collector, fitted_slots
 from mtrl_jax.rollout.staleness import AsyncRollouts, PublishedParams
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.setup import Components, build
 from mtrl_jax.model import lora
-from mtrl_jax.warmup import restore_policy, resume_or_warm_up, rl_policy
+from mtrl_jax.coldstart.stage import restore_policy, resume_or_warm_up, rl_policy
 
 log = logging.getLogger("mtrl_jax")
 
@@ -170,7 +172,8 @@ class Trainer:
         if not self.collector.config.precompile:
             return None
         # the evaluation's shapes first: it runs first
-        return BackgroundCompile((self.eval_collector, self.collector), lora.merge(self.base, self.state.params))
+        params = lora.merge(self.base, self.state.params)
+        return Background([functools.partial(c.precompile, params) for c in (self.eval_collector, self.collector)])
 
     def _step(self, step: int, async_rollouts) -> dict:
         """RL step ``step``: its groups (rollout thread, or collected now), the update, new parameters published."""

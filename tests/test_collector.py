@@ -13,7 +13,9 @@ from mtrl_jax.data.collection import Task
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
+from mtrl_jax.rl.optimizer import make_optimizer
+from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.updater import Updater
 from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
 from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
 from mtrl_jax.rollout.selection import filter_stale

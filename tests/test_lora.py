@@ -16,7 +16,8 @@ from mtrl_jax.model.hf_io import read_safetensors, save_hf_checkpoint
 from mtrl_jax.model.transformer import Transformer
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import UpdateConfig, Updater
+from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.updater import Updater
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 CFG = ModelConfig(

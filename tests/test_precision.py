@@ -12,7 +12,8 @@ import pytest
 from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import UpdateConfig, Updater
+from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.updater import Updater
 
 CFG = ModelConfig(
     vocab_size=128,

@@ -213,7 +213,7 @@ def test_tool_server_answers_bad_headers_and_drops_stalled_clients(synthetic):
 
 
 def _state(value):
-    from mtrl_jax.rl.train_step import TrainState
+    from mtrl_jax.rl.optimizer import TrainState
 
     return TrainState(
         {"w": jnp.full((2, 3), value, jnp.float32)},
@@ -540,7 +540,7 @@ def test_answers_carry_ids_with_commas_exactly(shared_data):
 
 
 def test_non_finite_updates_in_a_row_stop_the_run(tmp_path):
-    from mtrl_jax.rl.train_step import NonFiniteGuard
+    from mtrl_jax.rl.guard import NonFiniteGuard
 
     guard = NonFiniteGuard(limit=3)
     for step, skipped in enumerate([1, 2, 0, 1, 1], start=1):  # the finite step in between resets the count
@@ -784,15 +784,16 @@ def _tiny_demos():
 
 @pytest.mark.parametrize("learning_rate", [float("nan"), float("inf")])
 def test_fault_2_non_finite_warmup_steps_are_skipped_then_stop_the_run(learning_rate, caplog):
-    from mtrl_jax.warmup import supervised_warmup
+    from mtrl_jax.coldstart.settings import ColdStartSettings
+    from mtrl_jax.coldstart.sft import supervised_warmup
 
     cfg, params, demos = _tiny_demos()
     with pytest.raises(FloatingPointError, match=r"warm-up step 3: 3 steps in a row had a non-finite loss"):
-        supervised_warmup(cfg, params, demos, 10, 2, learning_rate, log=None, max_nonfinite_steps=3)
+        supervised_warmup(cfg, params, demos, ColdStartSettings(10, 2, learning_rate, max_nonfinite_steps=3), log=None)
     assert caplog.text.count("skipped: non-finite loss or parameters") == 3
     with pytest.raises(FloatingPointError, match=r"warm-up: all 2 steps had a non-finite loss"):  # fewer than 3
-        supervised_warmup(cfg, params, demos, 2, 2, learning_rate, log=None, max_nonfinite_steps=3)
-    progress = supervised_warmup(cfg, params, demos, 4, 2, 1e-3, log=None)  # a finite rate trains
+        supervised_warmup(cfg, params, demos, ColdStartSettings(2, 2, learning_rate, max_nonfinite_steps=3), log=None)
+    progress = supervised_warmup(cfg, params, demos, ColdStartSettings(4, 2, 1e-3), log=None)  # a finite rate trains
     assert progress.step == 4 and len(progress.losses) == 4
 
 
@@ -800,7 +801,9 @@ def test_fault_2_non_finite_warmup_steps_are_skipped_then_stop_the_run(learning_
 def test_fault_2_an_rl_update_to_non_finite_parameters_is_skipped(learning_rate):
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.rl.batch import TrajectoryBatch
-    from mtrl_jax.rl.train_step import UpdateConfig, Updater, make_optimizer
+    from mtrl_jax.rl.optimizer import make_optimizer
+    from mtrl_jax.rl.train_step import UpdateConfig
+    from mtrl_jax.rl.updater import Updater
 
     cfg = ModelConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8

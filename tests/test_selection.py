@@ -11,7 +11,7 @@ import pytest
 from mtrl_jax.checkpoint import RunRecord
 from mtrl_jax.data.collection import Task
 from mtrl_jax.data.schedule import DataCursor, TaskSchedule
-from mtrl_jax.rl.train_step import NonFiniteGuard
+from mtrl_jax.rl.guard import NonFiniteGuard
 from mtrl_jax.rollout.selection import GroupSelector, informative, no_gradient_rows, refill, split_informative
 from mtrl_jax.rollout.steps import StepRollouts
 from mtrl_jax.rollout.trajectory import Trajectory

@@ -17,7 +17,8 @@ from mtrl_jax.model.sharding import make_mesh, param_shardings
 from mtrl_jax.model.transformer import Transformer, abstract_params, pad_vocab
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
-from mtrl_jax.rl.train_step import UpdateConfig, Updater
+from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.updater import Updater
 from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
 from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
 

@@ -79,11 +79,19 @@ def test_no_import_cycle_in_the_package():
 # Bottom to top; a module may import from its own layer and the ones below. A module is in the layer of the
 # longest prefix of its name listed here.
 LAYERS = (
-    ("mtrl_jax", "mtrl_jax.rng", "mtrl_jax.host", "mtrl_jax.chat", "mtrl_jax.ranges"),  # foundations
+    (
+        "mtrl_jax",
+        "mtrl_jax.rng",
+        "mtrl_jax.host",
+        "mtrl_jax.chat",
+        "mtrl_jax.ranges",
+        "mtrl_jax.compile_ahead",
+    ),  # foundations
     ("mtrl_jax.model", "mtrl_jax.distributed", "mtrl_jax.data"),  # the policy, the mesh, the data
     ("mtrl_jax.rl",),  # the RL math and the jitted update
     ("mtrl_jax.rollout", "mtrl_jax.search"),  # episodes: sampler, environment, tools, collection
-    ("mtrl_jax.warmup", "mtrl_jax.checkpoint", "mtrl_jax.metrics"),  # around the update
+    ("mtrl_jax.checkpoint", "mtrl_jax.metrics"),  # around the update
+    ("mtrl_jax.coldstart",),  # the cold start: teacher, demonstrations, supervised step, its stage
     ("mtrl_jax.setup",),  # config -> components
     ("mtrl_jax.evaluate",),  # the evaluation job
     ("mtrl_jax.trainer",),  # the loop

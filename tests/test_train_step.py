@@ -10,15 +10,9 @@ from mtrl_jax.model import ModelConfig, init_params
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
-from mtrl_jax.rl.train_step import (
-    UpdateConfig,
-    Updater,
-    by_length,
-    length_buckets,
-    minibatch_order,
-    score,
-    switch_on_length,
-)
+from mtrl_jax.rl.lengths import by_length, length_buckets, switch_on_length
+from mtrl_jax.rl.train_step import UpdateConfig, minibatch_order, score
+from mtrl_jax.rl.updater import Updater
 
 CFG = ModelConfig(
     vocab_size=48,

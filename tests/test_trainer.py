@@ -268,7 +268,7 @@ def test_run_record_round_trips_and_garbled_records_name_the_checkpoint(tmp_path
 
     from mtrl_jax.checkpoint import Checkpoints, RunRecord
     from mtrl_jax.data.schedule import DataCursor
-    from mtrl_jax.rl.train_step import TrainState
+    from mtrl_jax.rl.optimizer import TrainState
 
     state = TrainState(
         {"w": jnp.ones((2, 2))}, {"mu": jnp.zeros((2, 2))}, jnp.asarray(3, jnp.int32), jax.random.PRNGKey(5)
@@ -515,7 +515,7 @@ def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adap
     from experiments.sweep import load_config
     from mtrl_jax.checkpoint import Checkpoints
     from mtrl_jax.model import compute_logits, load_hf_checkpoint, lora
-    from mtrl_jax.warmup import restore_policy
+    from mtrl_jax.coldstart.stage import restore_policy
     from mtrl_jax.model.transformer import Transformer
     from mtrl_jax.setup import build
     from tools import export_hf
@@ -564,7 +564,7 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
     from mtrl_jax.evaluate import trained_policy
     from mtrl_jax.model import lora
     from mtrl_jax.setup import build
-    from mtrl_jax.warmup import restore_policy
+    from mtrl_jax.coldstart.stage import restore_policy
 
     def restore_params(workdir, components):  # RL's latest trainable parameters (the adapters)
         return restore_policy(components, Checkpoints(workdir), "rl").trainable
@@ -621,7 +621,7 @@ def test_a_warm_up_of_the_base_then_lora_adapters_in_rl_resumes_over_the_warmed_
 
 def test_a_warm_up_of_the_base_needs_adapters_and_float32():
     from experiments.sweep import load_config
-    from mtrl_jax.setup import warmup_settings
+    from mtrl_jax.coldstart.settings import coldstart_settings as warmup_settings
 
     with pytest.raises(ValueError, match="model.lora_rank > 0"):
         warmup_settings(load_config("configs/default.py", ["--config.warmup.train_base=True"]))

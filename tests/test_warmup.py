@@ -12,18 +12,21 @@ from mtrl_jax.data.collection import Collection, Document, Task
 from mtrl_jax.search.build import SearchSettings, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
 from mtrl_jax.rollout.interfaces import EpisodeDriver
-from mtrl_jax.warmup import (
-    augment_question,
-    augmented_tasks,
-    demonstration_tokens,
-    parse_tool_weights,
-    parse_top_k_weights,
-    question_vocabulary,
-    result_identifiers,
-    teacher_turns,
-)
+from mtrl_jax.coldstart.demonstrations import demonstration_tokens
+from mtrl_jax.coldstart.settings import ColdStartSettings, parse_tool_weights, parse_top_k_weights
+from mtrl_jax.coldstart.teacher import Teacher, augment_question, augmented_tasks, question_vocabulary, teacher_turns
+from mtrl_jax.search.results import result_identifiers
 
-TOOLS = ["bm25_search", "vector_search"]
+TOOLS = ("bm25_search", "vector_search")
+
+
+def sft(model_cfg, params, demos, log=None, should_stop=None, resume=None, **settings):
+    """``supervised_warmup`` with ``ColdStartSettings(**settings)``."""
+    from mtrl_jax.coldstart.sft import supervised_warmup
+
+    return supervised_warmup(
+        model_cfg, params, demos, ColdStartSettings(**settings), log=log, should_stop=should_stop, resume=resume
+    )
 
 
 def test_parse_tool_weights():
@@ -63,7 +66,9 @@ def test_teacher_asks_for_top_k_with_the_given_weights():
     top_ks, probs = parse_top_k_weights("1:3,10:1", 20)
     asked = []
     for i in range(2000):
-        text = teacher_turns(rng, TOOLS, None, top_ks, probs)([{"role": "user", "content": "q"}])
+        text = teacher_turns(rng, Teacher(TOOLS, top_ks=tuple(top_ks), top_k_probs=probs))(
+            [{"role": "user", "content": "q"}]
+        )
         asked.append(json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["top_k"])
     assert set(asked) == {1, 10} and abs(asked.count(1) / len(asked) - 0.75) < 0.03
 
@@ -73,7 +78,7 @@ def test_teacher_draws_tools_with_the_given_weights_whatever_the_question():
     probs = parse_tool_weights("vector_search:3,bm25_search:1", TOOLS)
     names = []
     for i in range(4000):
-        policy = teacher_turns(rng, TOOLS, probs)
+        policy = teacher_turns(rng, Teacher(TOOLS, tool_probs=probs))
         text = policy([{"role": "user", "content": f"question {i}"}])
         call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
         assert call["arguments"] == {"query": f"question {i}"}
@@ -147,7 +152,7 @@ def test_demonstration_masks_exactly_the_teacher_turns():
     ] * 20
     chat = ChatFormat(train_tokenizer(texts, 400))
     tokens, mask = demonstration_tokens(
-        EpisodeDriver(env, chat, 4096), task, teacher_turns(np.random.default_rng(0), ["bm25_search"])
+        EpisodeDriver(env, chat, 4096), task, teacher_turns(np.random.default_rng(0), Teacher(("bm25_search",)))
     )
     assert len(tokens) == len(mask)
     runs, start = [], None
@@ -178,7 +183,7 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
     )
     hops, queries = 0, set()
     for i in range(2000):
-        policy = teacher_turns(np.random.default_rng(i), TOOLS, None, hop=0.3)
+        policy = teacher_turns(np.random.default_rng(i), Teacher(TOOLS, hop=0.3))
         first = policy([{"role": "user", "content": "component of project A-1"}])
         assert (
             json.loads(first.removeprefix("<tool_call>").removesuffix("</tool_call>"))["arguments"]["query"]
@@ -204,7 +209,9 @@ def test_teacher_hops_with_the_given_probability_on_a_shown_identifier():
     assert abs(hops / 2000 - 0.3) < 0.03
     assert queries == {"KX-4821", "B-2", "QQ-1111"}  # any shown identifier, at random; never the question's
     # no identifier shown: no hop
-    policy = next(p for p in (teacher_turns(np.random.default_rng(i), TOOLS, hop=1.0) for i in range(10)) if p.hops)
+    policy = next(
+        p for p in (teacher_turns(np.random.default_rng(i), Teacher(TOOLS, hop=1.0)) for i in range(10)) if p.hops
+    )
     assert (
         policy(
             [
@@ -231,7 +238,7 @@ def test_teacher_hop_queries_and_the_other_tool():
             seen, same_tool = set(), 0
             for i in range(200):
                 policy = teacher_turns(
-                    np.random.default_rng(i), TOOLS, hop=1.0, hop_queries=(hop_query,), hop_other=hop_other
+                    np.random.default_rng(i), Teacher(TOOLS, hop=1.0, hop_queries=(hop_query,), hop_other=hop_other)
                 )
                 first = policy([{"role": "user", "content": question}])
                 messages = [
@@ -249,12 +256,12 @@ def test_teacher_hop_queries_and_the_other_tool():
 
 def test_teacher_hop_tools_other_needs_two_tools():
     from configs import default
-    from mtrl_jax.setup import warmup_settings
+    from mtrl_jax.coldstart.settings import coldstart_settings as warmup_settings
 
     config = default.get_config()
     with config.unlocked():
         config.warmup.teacher_hop_tools = "other"
-    assert warmup_settings(config).hop_other
+    assert warmup_settings(config).teacher.hop_other
     with config.unlocked():
         config.search.tools = "bm25_search"
     with pytest.raises(ValueError, match="warmup.teacher_hop_tools='other' needs two tools"):
@@ -262,7 +269,7 @@ def test_teacher_hop_tools_other_needs_two_tools():
 
 
 def test_turn_ends_cut_demonstrations_after_their_nth_assistant_turn():
-    from mtrl_jax.warmup import assistant_turns, turn_end
+    from mtrl_jax.coldstart.masks import assistant_turns, turn_end
 
     mask = [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
     assert [turn_end(mask, n) for n in (1, 2, 3, 4)] == [4, 7, 10, 10] and assistant_turns(mask) == 3
@@ -277,7 +284,7 @@ def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
         SearchEnvConfig(tool_prompt="compact"),
     )
     chat = ChatFormat(train_tokenizer([d.text for d in docs] * 5, 400))
-    policy = teacher_turns(np.random.default_rng(0), ["bm25_search"], hop=1.0)
+    policy = teacher_turns(np.random.default_rng(0), Teacher(("bm25_search",), hop=1.0))
     driver = EpisodeDriver(env, chat, 4096)
     long_tokens, _ = demonstration_tokens(driver, task, policy)
     assert chat.decode(long_tokens).count("assistant\n<tool_call>") == 2
@@ -297,7 +304,8 @@ def test_a_hop_that_overflows_the_context_is_demonstrated_without_it():
     ],
 )
 def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_every, two_turn_every, expected):
-    from mtrl_jax import warmup
+    from mtrl_jax.coldstart import masks
+    from mtrl_jax.coldstart import sft as warmup
     from mtrl_jax.model import ModelConfig
 
     seen = []
@@ -305,7 +313,7 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
     def recording_step(model_cfg, tx, shared, *options):
         def step(params, opt_state, frozen, tokens, attention, loss_mask):
             mask = np.asarray(loss_mask)
-            seen.append(max(warmup.assistant_turns(list(row)) for row in mask))  # turns the view holds
+            seen.append(max(masks.assistant_turns(list(row)) for row in mask))  # turns the view holds
             return params, opt_state, 0.0, True
 
         return step
@@ -328,13 +336,15 @@ def test_the_warmup_schedule_picks_its_views_as_configured(monkeypatch, full_eve
         cfg,
         {"w": np.zeros(1)},
         [demo] * 4,
-        steps=16,
-        batch_size=2,
-        learning_rate=0.1,
+        ColdStartSettings(
+            steps=16,
+            batch_size=2,
+            learning_rate=0.1,
+            full_every=full_every,
+            two_turn_every=two_turn_every,
+            share_prefix=False,
+        ),
         log=None,
-        full_every=full_every,
-        two_turn_every=two_turn_every,
-        share_prefix=False,
     )
     assert done.step == 16 and seen == expected
 
@@ -344,7 +354,6 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
     import jax
 
     from mtrl_jax.model import ModelConfig, init_params
-    from mtrl_jax.warmup import supervised_warmup
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -363,7 +372,7 @@ def test_supervised_warmup_learns_demonstrations_of_mixed_lengths():
         block = list(rng.integers(10, 60, size=150 if i % 4 == 0 else 10))
         demos.append((prompt + [7, 8, 9] + block + [5], [0] * 6 + [1] * 3 + [0] * len(block) + [1]))
     common = dict(steps=80, batch_size=8, learning_rate=1e-2, log=None, full_every=2, full_bucket=32)
-    done = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
+    done = sft(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
     losses = done.losses
     assert done.step == 80 and len(losses) == 80 and np.isfinite(losses).all()
     assert np.mean(losses[:4]) > 3.0 and np.mean(losses[-10:]) < 0.1
@@ -374,7 +383,6 @@ def test_a_stopped_warmup_continues_exactly():
     import jax
 
     from mtrl_jax.model import ModelConfig, init_params
-    from mtrl_jax.warmup import supervised_warmup
 
     cfg = ModelConfig(
         vocab_size=32,
@@ -389,20 +397,18 @@ def test_a_stopped_warmup_continues_exactly():
     rng = np.random.default_rng(1)
     demos = [(list(rng.integers(3, 30, size=12)), [0] * 4 + [1] * 8) for _ in range(10)]
     common = dict(steps=12, batch_size=4, learning_rate=1e-2, log=None, full_every=3, full_bucket=16)
-    done = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
+    done = sft(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, **common)
     # stopped at step 5 (SIGTERM) and continued from its progress: exactly the same run
     calls = iter(range(1000))
-    stopped = supervised_warmup(
-        cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 5, **common
-    )
+    stopped = sft(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, should_stop=lambda: next(calls) >= 5, **common)
     assert stopped.step == 5 and len(stopped.losses) == 5
-    resumed = supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
+    resumed = sft(cfg, init_params(cfg, jax.random.PRNGKey(1)), demos, resume=stopped, **common)
     assert resumed.step == 12 and resumed.losses == done.losses
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, done.params)
 
 
 def test_common_prefix_stops_before_the_first_trained_token_and_leaves_a_token():
-    from mtrl_jax.warmup import common_prefix
+    from mtrl_jax.coldstart.sft import common_prefix
 
     demos = [([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), ([1, 2, 3, 9], [0, 0, 0, 1]), ([1, 2, 3, 4, 6, 7], [0, 0, 1, 1, 1, 1])]
     assert common_prefix(demos) == [1, 2]  # the third trains on its third token
@@ -417,7 +423,7 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
     import jax
 
     from mtrl_jax.model import ModelConfig, init_params
-    from mtrl_jax.warmup import common_prefix, supervised_warmup
+    from mtrl_jax.coldstart.sft import common_prefix
 
     cfg = ModelConfig(
         vocab_size=64,
@@ -443,7 +449,7 @@ def test_a_warmup_sharing_the_common_prefix_trains_as_one_that_does_not():
         steps=6, batch_size=4, learning_rate=1e-2, log=None, full_every=2, full_bucket=64
     )  # one whole-row shape
     runs = [
-        supervised_warmup(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
+        sft(cfg, init_params(cfg, jax.random.PRNGKey(0)), demos, share_prefix=share, **common)
         for share in (True, False)
     ]
     np.testing.assert_allclose(runs[0].losses, runs[1].losses, rtol=2e-5)
@@ -456,12 +462,11 @@ def _bm25_teacher(env, chat, tasks, **settings):
     """The fields ``demonstrations`` reads, for a teacher that makes one BM25 search for 2 results."""
     import types
 
-    from mtrl_jax.setup import WarmupSettings
+    from mtrl_jax.coldstart.settings import ColdStartSettings
 
-    defaults = dict(steps=1, batch_size=1, learning_rate=0.0, augment=0, tools=("bm25_search",), tool_probs=(1.0,))
-    defaults.update(top_ks=(2,), top_k_probs=(1.0,), hop=0.0, hop_tool_probs=(1.0,))
+    teacher = Teacher(("bm25_search",), tool_probs=(1.0,), top_ks=(2,), top_k_probs=(1.0,), hop_tool_probs=(1.0,))
     return types.SimpleNamespace(
-        warmup=WarmupSettings(**{**defaults, **settings}),
+        warmup=ColdStartSettings(steps=1, batch_size=1, learning_rate=0.0, teacher=teacher, **settings),
         run=types.SimpleNamespace(seed=0),
         env=env,
         chat=chat,
@@ -472,7 +477,8 @@ def _bm25_teacher(env, chat, tasks, **settings):
 
 def test_hop_drills_force_the_hop_and_leave_its_decision_untrained():
 
-    from mtrl_jax.warmup import assistant_turns, turn_end, demonstrations
+    from mtrl_jax.coldstart.demonstrations import demonstrations
+    from mtrl_jax.coldstart.masks import assistant_turns, turn_end
 
     docs = [
         Document(f"d{i}", f"Project P-{i}", f'Key component: part "KX-48{i:02d}". Project P-{i} pumps')
@@ -525,7 +531,8 @@ def test_the_default_demonstrates_second_searches_on_shown_identifiers(tmp_path)
     is one search and an answer."""
     from configs import default
     from mtrl_jax.setup import build
-    from mtrl_jax.warmup import assistant_turns, demonstrations
+    from mtrl_jax.coldstart.demonstrations import demonstrations
+    from mtrl_jax.coldstart.masks import assistant_turns
 
     shares = {}
     for name, overrides in (("default", {}), ("single", {"teacher_hop": 0.0, "hop_drills": 0})):
@@ -550,7 +557,7 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
     highest reward, of equals the shortest answer, then the first drawn; ``min_reward`` every usable one at
     least that good (judged on the training task's own relevance judgments)."""
     from configs import default
-    from mtrl_jax import warmup
+    from mtrl_jax.coldstart import demonstrations as warmup
     from mtrl_jax.setup import build
 
     drawn = []
@@ -624,17 +631,19 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
 
 def test_warmup_schedule_fields_are_checked():
     from configs import default
-    from mtrl_jax.setup import warmup_settings
+    from mtrl_jax.coldstart.settings import coldstart_settings as warmup_settings
 
     config = default.get_config()
     settings = warmup_settings(config)
     assert (settings.full_every, settings.two_turn_every) == (config.warmup.full_every, config.warmup.two_turn_every)
+    from mtrl_jax.setup import check_config  # the ranges are checked once, in mtrl_jax/ranges.py
+
     config.warmup.full_every = 0
-    with pytest.raises(ValueError, match="warmup.full_every must be >= 1, got 0"):
-        warmup_settings(config)
+    with pytest.raises(ValueError, match="warmup.full_every=0 is out of range: expected 1 <= warmup.full_every"):
+        check_config(config)
     config.warmup.full_every, config.warmup.two_turn_every = 8, -1
-    with pytest.raises(ValueError, match=r"warmup.two_turn_every must be >= 0 \(0: never\), got -1"):
-        warmup_settings(config)
+    with pytest.raises(ValueError, match=r"warmup.two_turn_every=-1 is out of range: .* \(0: never\)"):
+        check_config(config)
 
 
 @pytest.mark.slow
@@ -645,7 +654,7 @@ def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step
     import optax
 
     from mtrl_jax.model import ModelConfig, init_params, lora
-    from mtrl_jax.warmup import loss_columns, warmup_step
+    from mtrl_jax.coldstart.sft import loss_columns, warmup_step
 
     cfg = ModelConfig(
         vocab_size=40,
@@ -682,9 +691,9 @@ def test_the_warmup_step_on_loss_columns_and_micro_batches_equals_the_plain_step
 
 def test_an_answer_of_ids_is_cut_to_the_per_turn_token_limit():
     from mtrl_jax.chat import parse_answer
-    from mtrl_jax.warmup import longest_turn
+    from mtrl_jax.coldstart.masks import longest_turn
 
-    policy = teacher_turns(np.random.default_rng(0), ["bm25_search"], answers=("ids",))
+    policy = teacher_turns(np.random.default_rng(0), Teacher(("bm25_search",), answers=("ids",)))
     shown = "bm25_search results for 'q':\n" + "\n".join(
         f"[{i}] <dbpedia:Open_{chr(65 + i)}_tuning> | text" for i in range(1, 11)
     )
@@ -706,7 +715,7 @@ def test_an_answer_of_ids_is_cut_to_the_per_turn_token_limit():
 def test_no_held_out_query_reaches_a_demonstration_or_the_rl_schedule(tmp_path, shared_data):
     from configs import default
     from mtrl_jax.setup import build
-    from mtrl_jax.warmup import demonstrations
+    from mtrl_jax.coldstart.demonstrations import demonstrations
 
     config = default.get_config()
     config.data.synthetic = False
@@ -736,7 +745,7 @@ def test_failed_tool_calls_are_counted_and_said_in_every_phase():
     from mtrl_jax.metrics import headline, rollout_metrics, summarize
     from mtrl_jax.rollout.trajectory import Trajectory
     from mtrl_jax.search.tools import RemoteSearchTool, ServiceHealth
-    from mtrl_jax.warmup import demonstrations
+    from mtrl_jax.coldstart.demonstrations import demonstrations
 
     with socket.socket() as s:  # a port nothing listens on: every call is refused at once
         s.bind(("127.0.0.1", 0))

@@ -288,7 +288,7 @@ def damaged_checkpoints(out: pathlib.Path):
     import jax.numpy as jnp
 
     from mtrl_jax.checkpoint import Checkpoints, RunRecord
-    from mtrl_jax.rl.train_step import TrainState
+    from mtrl_jax.rl.optimizer import TrainState
 
     def state(v):
         return TrainState(
@@ -318,7 +318,8 @@ def nan_batch():
     from mtrl_jax.model import ModelConfig, init_params
     from mtrl_jax.rl.batch import TrajectoryBatch
     from mtrl_jax.rl.objective import ObjectiveConfig
-    from mtrl_jax.rl.train_step import UpdateConfig, Updater
+    from mtrl_jax.rl.train_step import UpdateConfig
+    from mtrl_jax.rl.updater import Updater
 
     cfg = ModelConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8

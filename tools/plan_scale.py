@@ -168,7 +168,9 @@ def compile_update(cfg, mesh, args, flop_count: bool = False):
     from mtrl_jax.model.sharding import batch_sharding
     from mtrl_jax.rl.batch import TrajectoryBatch
     from mtrl_jax.rl.objective import ObjectiveConfig
-    from mtrl_jax.rl.train_step import TrainState, UpdateConfig, Updater
+    from mtrl_jax.rl.optimizer import TrainState
+    from mtrl_jax.rl.train_step import UpdateConfig
+    from mtrl_jax.rl.updater import Updater
 
     frozen, params = split_abstract(cfg, mesh)
     tx = optax.adam(1e-6)

@@ -35,7 +35,7 @@ from mtrl_jax.search.build import make_retriever
 from mtrl_jax.search.metrics import ndcg_at_k
 from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 from mtrl_jax.setup import build_data, search_settings
-from mtrl_jax.warmup import question_keywords
+from mtrl_jax.search.results import question_keywords
 
 TOP_K = 10
 BEST = "best per query"

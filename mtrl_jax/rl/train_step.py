@@ -17,33 +17,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
-import pathlib
-import threading
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, constrain_rows, on_mesh, place_batch
+from mtrl_jax.model.sharding import constrain_rows
 from mtrl_jax.rl import advantages as advantages_lib
 from mtrl_jax.rl.batch import TrajectoryBatch
+from mtrl_jax.rl.guard import all_finite
+from mtrl_jax.rl.lengths import by_length, length_buckets, switch_on_length
+from mtrl_jax.rl.optimizer import TrainState
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
 
 log = logging.getLogger("mtrl_jax")
-
-
-class TrainState(NamedTuple):
-    params: Any
-    opt_state: Any
-    step: jax.Array  # int32: optimizer steps taken
-    rng: jax.Array  # split once per update for the mini-batch order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,42 +84,6 @@ class UpdateConfig:
         return self.mini_batches * self.micro_batches
 
 
-def make_optimizer(
-    learning_rate: float,
-    total_steps: int,
-    schedule: str = "constant",
-    warmup_steps: int = 0,
-    grad_clip: float = 1.0,
-    weight_decay: float = 0.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-):
-    if schedule == "constant":
-        lr = (
-            optax.join_schedules(
-                [
-                    optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-                    optax.constant_schedule(learning_rate),
-                ],
-                [max(warmup_steps, 1)],
-            )
-            if warmup_steps
-            else learning_rate
-        )
-    elif schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
-        )
-    else:
-        raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {schedule!r}")
-    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
-    return optax.chain(*parts, optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
-
-
-def init_state(tx: optax.GradientTransformation, params, rng) -> TrainState:
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), rng)
-
-
 def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_batches: int) -> jax.Array:
     """``[update_epochs * mini_batches, batch_size // mini_batches]`` int32 row indices: optimizer step
     ``s`` trains on rows ``order[s]``. Each epoch is a fresh permutation of all rows (one key per
@@ -140,52 +95,6 @@ def minibatch_order(key: jax.Array, batch_size: int, update_epochs: int, mini_ba
     else:
         order = jax.vmap(lambda k: jax.random.permutation(k, batch_size))(jax.random.split(key, update_epochs))
     return order.reshape(update_epochs * mini_batches, batch_size // mini_batches).astype(jnp.int32)
-
-
-MAX_LENGTH_BRANCHES = 16
-
-
-def length_buckets(
-    T: int, granularity: int, max_branches: int = MAX_LENGTH_BRANCHES, shortest: int = 0
-) -> tuple[int, ...]:
-    """The static lengths a micro-batch of a ``[., T]`` batch can be cut to: multiples of
-    ``granularity`` up to ``T`` (the last is ``T``), or, when there would be more than
-    ``max_branches``, ``max_branches`` of them spread geometrically up to ``T``. With ``shortest``
-    (no row holds fewer tokens: the shortest prompt) they start at the first multiple that holds it:
-    a micro-batch's longest row never picks a shorter one, whose branch would be compiled for nothing
-    (on the default, 1 of 11 branches)."""
-    n = -(-T // granularity)
-    first = min(max(1, -(-shortest // granularity)), n)  # the first multiple (1-based) that holds `shortest`
-    if n - first + 1 <= max_branches:
-        return tuple(min(T, granularity * i) for i in range(first, n + 1))
-    steps = np.geomspace(first, n, max_branches)
-    return tuple(sorted({min(T, granularity * int(math.ceil(x - 1e-9))) for x in steps} | {T}))
-
-
-def switch_on_length(buckets: tuple[int, ...], attention_mask: jax.Array, fn, *args):
-    """``fn(length, *args)`` for the smallest of ``buckets`` that holds every row of ``attention_mask
-    [rows, T]``: one program with a branch per length (``lax.switch``), of which only the one taken
-    runs, so a micro-batch of short rows costs what its rows hold, not the batch's longest row."""
-    longest = attention_mask.astype(jnp.int32).sum(axis=1).max()
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), longest), len(buckets) - 1)
-    return jax.lax.switch(index, [functools.partial(fn, length) for length in buckets], *args)
-
-
-def by_length(attention_mask: jax.Array, rows: jax.Array, group: int, first: Optional[jax.Array] = None) -> jax.Array:
-    """``rows`` sorted by length, longest first, as ``[len(rows) // group, group]`` groups: the
-    micro-batches of a mini-batch (the order within a mini-batch does not change its gradient). With
-    ``first [B]`` (booleans over the batch's rows), its rows come before the others (each part longest
-    first), so the other rows fill micro-batches of their own."""
-    lengths = attention_mask[rows].astype(jnp.int32).sum(axis=1)
-    if first is not None:
-        lengths = lengths + first[rows].astype(jnp.int32) * (attention_mask.shape[1] + 1)
-    return rows[jnp.argsort(-lengths, stable=True)].reshape(-1, group)
-
-
-def all_finite(tree) -> jax.Array:
-    """Whether every element of every floating leaf of ``tree`` is finite (a boolean scalar)."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
 def _mean_or_max(name: str, values: jax.Array, weights: Optional[jax.Array] = None) -> jax.Array:
@@ -487,117 +396,3 @@ def update_step(
     firsts = jnp.arange(prepared.order.shape[0]) == 0
     (params, opt_state, step_count, skipped), history = jax.lax.scan(step, init, (prepared.order, firsts))
     return TrainState(params, opt_state, step_count, prepared.rng), summarize(plan, prepared, batch, history, skipped)
-
-
-class Updater:
-    """``update_step`` jitted for one model, update config and optimizer. With a ``mesh`` it runs with
-    the logical-axis rules active and the batch split over ``data`` x ``fsdp``; the train state keeps
-    the parameters' shardings (the optimizer state follows them). The parameters that do not train (the base
-    under LoRA adapters: ``lora.Policy.base``) are an argument of every call, never held here."""
-
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        config: UpdateConfig,
-        tx: optax.GradientTransformation,
-        mesh: Optional[Mesh] = None,
-    ):
-        self.model_cfg, self.config, self.tx, self.mesh = model_cfg, config, tx, mesh
-
-        # The optimizer state is donated: the new moments are written over the old ones, which saves
-        # twice the parameters' size (Adam) at the update's peak. The parameters are not: they are
-        # also the collector's published parameters, in use until the new ones are published.
-        def step_fn(params, opt_state, step, rng, batch, ref_params, frozen):
-            return update_step(
-                model_cfg, config, tx, TrainState(params, opt_state, step, rng), batch, ref_params, frozen
-            )
-
-        self._update = jax.jit(step_fn, donate_argnames=("opt_state",))
-        self._compiled: dict = {}  # signature -> the program warm() compiled ahead of time
-        self._warming: dict = {}  # signature -> the thread compiling it
-
-    @staticmethod
-    def _signature(batch: TrajectoryBatch, ref_params) -> tuple:
-        """What selects a compiled program besides the (fixed) train state: the batch's shapes and
-        dtypes, its group size, and whether there is a KL reference."""
-        arrays = (batch.tokens, batch.attention_mask, batch.loss_mask, batch.behav_logp, batch.reward)
-        return tuple((tuple(x.shape), str(x.dtype)) for x in arrays) + (batch.group_size, ref_params is None)
-
-    def init_state(self, params, rng) -> TrainState:
-        with activate(self.mesh):
-            return on_mesh(init_state(self.tx, params, rng), self.mesh)
-
-    def lower(self, state: TrainState, batch: TrajectoryBatch, ref_params=None, base=None):
-        """The update lowered for these arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings), for
-        ``.compile()`` and its memory and cost analyses (``tools/plan_scale.py``); ``base``: the parameters
-        that do not train (``{}`` without adapters)."""
-        with activate(self.mesh):
-            return self._update.lower(*state, batch, ref_params, {} if base is None else base)
-
-    def warm(
-        self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool, base=None
-    ) -> threading.Thread:
-        """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
-        the first real update finds its program ready. The trainer starts this before the warm-up and
-        the first evaluation, which leave a core idle. Only compiled, never run: running it would hold
-        a second train state and the update's buffers while the evaluation holds its KV cache."""
-        empty = TrajectoryBatch(
-            np.zeros((rows, length), np.int32),
-            np.zeros((rows, length), np.int32),
-            np.zeros((rows, length), np.float32),
-            np.zeros((rows, length), np.float32),
-            np.zeros((rows,), np.float32),
-            group_size=group_size,
-        )
-        ref = state.params if with_reference else None
-        signature = self._signature(empty, ref)
-
-        def compile_update():
-            self._compiled[signature] = self.lower(state, place_batch(empty, self.mesh), ref, base).compile()
-
-        thread = threading.Thread(target=compile_update, daemon=True, name="update-compile")
-        self._warming[signature] = thread
-        thread.start()
-        return thread
-
-    def settle(self) -> None:
-        """Wait for the background compiles (``warm``): a process must not exit while XLA compiles in a thread."""
-        for thread in list(self._warming.values()):
-            thread.join()
-
-    def update(self, state: TrainState, batch: TrajectoryBatch, ref_params=None, base=None) -> tuple[TrainState, dict]:
-        """The new state and the metrics as device scalars (fetch them with ``jax.device_get``); ``base``: the
-        parameters that do not train, which the forward pass sees (``{}`` without adapters).
-        ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
-        signature = self._signature(batch, ref_params)
-        if (thread := self._warming.pop(signature, None)) is not None:
-            thread.join()  # warm() is compiling this very program
-        update = self._compiled.get(signature, self._update)
-        with activate(self.mesh):
-            return update(*state, place_batch(batch, self.mesh), ref_params, {} if base is None else base)
-
-
-class NonFiniteGuard:
-    """Counts steps in a row whose update skipped an optimizer step (non-finite loss, gradient or updated
-    parameters; the update leaves parameters and optimizer state as they were) and stops the run at
-    ``limit`` with a ``FloatingPointError`` (RL steps here; the warm-up's steps in ``warmup``)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row = limit, 0
-
-    def observe(self, rl_step: int, skipped: int, last_checkpoint: pathlib.Path) -> None:
-        self.in_a_row = self.in_a_row + 1 if skipped else 0
-        if not skipped:
-            return
-        log.warning(
-            "RL step %d: %d optimizer step(s) skipped: non-finite loss, gradient or parameters (%d RL steps in a row)",
-            rl_step,
-            skipped,
-            self.in_a_row,
-        )
-        if self.in_a_row >= self.limit:
-            raise FloatingPointError(
-                f"RL step {rl_step}: {self.in_a_row} RL steps in a row had non-finite losses, gradients or "
-                f"updated parameters (rl.max_nonfinite_steps={self.limit}); stopping. The last checkpoint, "
-                f"{last_checkpoint}, holds the last good parameters"
-            )

@@ -231,19 +231,3 @@ class Collector:
         timings.update(extend_tokens=counts.extended, extend_computed=counts.computed, extend_shared=counts.shared)
         timings.update(counts.fractions())
         return [results[i] for i in range(len(requests))]
-
-
-class BackgroundCompile:
-    """Every sampler shape of ``collectors`` compiled in turn in a background thread (``Collector.precompile``),
-    started at once; ``stop()`` returns after the program being compiled (the rest is not needed)."""
-
-    def __init__(self, collectors: Sequence[Collector], params):
-        self.event = threading.Event()
-        self.thread = threading.Thread(
-            target=lambda: [c.precompile(params, self.event) for c in collectors], daemon=True, name="sampler-compile"
-        )
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.event.set()
-        self.thread.join()

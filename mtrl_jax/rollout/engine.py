@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from mtrl_jax.compile_ahead import Programs
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import activate, batch_sharding, cache_sharding, place_batch
 from mtrl_jax.model.transformer import KVCache
@@ -98,8 +99,8 @@ def _compiled(cfg: ModelConfig, mesh: Optional[Mesh]):
         jax.jit(functools.partial(init_state, cfg), static_argnums=(0, 1), out_shardings=shardings),
         jax.jit(share_prefixes, static_argnames=("window",), donate_argnums=(0,), out_shardings=shardings),
         jax.jit(forget, donate_argnums=(0,), out_shardings=shardings),
-        {},
-    )  # programs compiled ahead of time (``Sampler.precompile``), by call signature
+        Programs("sampler"),  # programs compiled ahead of time (``Sampler.precompile``), by call signature
+    )
 
 
 def _common(a: np.ndarray, b: np.ndarray, n: int) -> int:
@@ -176,16 +177,8 @@ class Sampler:
 
     def _run(self, key, jitted, args, kwargs, static):
         """The program ``precompile`` compiled for ``key`` if there is one, else the jitted function (which
-        compiles a new shape itself). A program whose arguments do not match (e.g. parameters
-        placed otherwise than those it was compiled with) is rejected before it runs (nothing is
-        donated) and dropped, and the jitted function runs instead."""
-        program = self._programs.get(key)
-        if program is not None:
-            try:
-                return program(*args, **kwargs)
-            except (TypeError, ValueError):
-                self._programs.pop(key, None)
-        return jitted(*args, **kwargs, **static)
+        compiles a new shape itself): ``compile_ahead.Programs.run``."""
+        return self._programs.run(key, jitted, args, kwargs, static)
 
     def call_shapes(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Every ``(lines, window)`` an ``extend`` call can take, and every ``decode`` window. A
@@ -255,8 +248,7 @@ class Sampler:
             for key, lower in jobs:
                 if stop is not None and stop.is_set():
                     return
-                if key not in self._programs:
-                    self._programs[key] = lower().compile()
+                self._programs.compile(key, lower)
 
     def window(self, state: SamplerState, rows, new_tokens) -> int:
         """The cache slots a decode call attends to: the smallest of the decode windows (``windows``,

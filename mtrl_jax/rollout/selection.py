@@ -114,10 +114,6 @@ class GroupSelector:
     filter_groups: bool = False
     truncation: str = "penalty"
 
-    def __post_init__(self):
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"rl.truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
-
     def select(self, groups: Sequence[Sequence[Trajectory]], step: int) -> Selection:
         """The groups of RL step ``step`` (0-based: the trainer holds parameter version ``step``) that train."""
         fresh, stale = filter_stale(groups, step, self.max_staleness)

@@ -14,19 +14,7 @@ from typing import Optional, Sequence
 
 from mtrl_jax.data.collection import Collection
 from mtrl_jax.rollout.interfaces import ServiceDown, Tool, ToolError, ToolOutput
-
-
-def render_results(tool: str, query: str, hits: list[dict], max_doc_chars: int) -> str:
-    if not hits:
-        return f"{tool} found no documents for {query!r}."
-    lines = [f"{tool} results for {query!r}:"]
-    for rank, h in enumerate(hits, start=1):
-        text = " ".join(h["text"].split())
-        if len(text) > max_doc_chars:
-            text = text[:max_doc_chars].rstrip() + "..."
-        title = f" | {h['title']}" if h.get("title") else ""
-        lines.append(f"[{rank}] {h['doc_id']}{title} | {text}")
-    return "\n".join(lines)
+from mtrl_jax.search.results import render_results
 
 
 class SearchTool(Tool):
