@@ -173,7 +173,7 @@ def capacity(cfg: ModelConfig, params, B: int, held: int, repeats: int, capaciti
         )  # decode donates its state; copied before the clock starts
         window = smp.window(state, rows[3], new) if windowed else c
         start = time.perf_counter()
-        jax.block_until_ready(decode(params, state, keys, *rows, max_new_tokens=new, window=window))
+        jax.block_until_ready(decode(params, state, S.DecodeRows(keys, *rows), max_new_tokens=new, window=window))
         return (time.perf_counter() - start) / new * 1e3
 
     times = {(c, w): [] for c in capacities for w in (True, False)}

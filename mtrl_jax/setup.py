@@ -19,7 +19,8 @@ import optax
 
 from mtrl_jax import distributed, ranges
 from mtrl_jax.coldstart.settings import ColdStartSettings, coldstart_settings
-from mtrl_jax.chat import ChatFormat, TemplateChat, tokenizer_seed_texts, train_tokenizer
+from mtrl_jax.chat import ChatFormat, tokenizer_seed_texts, train_tokenizer
+from mtrl_jax.chat_template import TemplateChat
 from mtrl_jax.data.build import build_data, csv, load_collections, split_sizes  # noqa: F401 - the entry points' names
 from mtrl_jax.data.collection import Collection, Task
 from mtrl_jax.data.schedule import TaskSchedule

@@ -7,16 +7,8 @@ import json
 
 import pytest
 
-from mtrl_jax.chat import (
-    IM_END,
-    IM_START,
-    PROTOCOL_TOKENS,
-    TemplateChat,
-    compile_chat_template,
-    parse_tool_calls,
-    template_renders_tools,
-    train_tokenizer,
-)
+from mtrl_jax.chat import IM_END, IM_START, PROTOCOL_TOKENS, parse_tool_calls, train_tokenizer
+from mtrl_jax.chat_template import TemplateChat, compile_chat_template, template_renders_tools
 
 # a Qwen2.5-like template: tools in the system block, consecutive tool messages in one user block
 TOOLS_TEMPLATE = (

@@ -14,7 +14,7 @@ import pytest
 
 import tools.make_real_fixtures as R
 from envs import background, background_result, popen
-from mtrl_jax.chat import TemplateChat
+from mtrl_jax.chat_template import TemplateChat
 from mtrl_jax.model import compute_logits, load_hf_checkpoint, save_hf_checkpoint
 from mtrl_jax.rollout.engine import Sampler
 

@@ -371,7 +371,8 @@ def test_the_decode_window_changes_no_sample(model_params):
         np.full(3, 16, np.int32),
     )
     outs = [
-        smp._decode(params, jax.tree.map(jnp.copy, base), *rows, max_new_tokens=16, window=w)[1] for w in (64, 96, 256)
+        smp._decode(params, jax.tree.map(jnp.copy, base), S.DecodeRows(*rows), max_new_tokens=16, window=w)[1]
+        for w in (64, 96, 256)
     ]
     for out in outs[1:]:
         np.testing.assert_array_equal(out.tokens, outs[0].tokens)

@@ -84,6 +84,7 @@ LAYERS = (
         "mtrl_jax.rng",
         "mtrl_jax.host",
         "mtrl_jax.chat",
+        "mtrl_jax.chat_template",
         "mtrl_jax.ranges",
         "mtrl_jax.compile_ahead",
     ),  # foundations

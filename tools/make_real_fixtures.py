@@ -30,7 +30,8 @@ import pathlib
 
 import numpy as np
 
-from mtrl_jax.chat import TemplateChat, render_answer, render_tool_call
+from mtrl_jax.chat import render_answer, render_tool_call
+from mtrl_jax.chat_template import TemplateChat
 from mtrl_jax.data.collection import Task
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.rollout.interfaces import Environment, Episode, EpisodeDriver, EpisodeRun, StepResult, run_scripted

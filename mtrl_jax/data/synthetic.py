@@ -73,22 +73,11 @@ def _ident(rng, used: set) -> str:
             return ident
 
 
-def make_synthetic_collection(
-    seed: int = 0,
-    num_parts: int = 1200,
-    num_projects: int = 400,
-    queries_per_type: int = 300,
-    synonym_rate: float = 0.3,
-    num_domains: int = 6,
-    num_components: int = 6,
-    num_properties: int = 5,
-    name: str = "synthetic",
-) -> Collection:
-    rng = np.random.default_rng(seed)
+def _parts(rng, n: int, synonym_rate: float, num_domains: int, num_components: int, num_properties: int):
+    """``n`` part datasheets: ``(documents, parts)``, each part ``(doc_id, ident, domain, component, property)``."""
     used: set = set()
-    docs: list[Document] = []
-    parts = []  # (doc_id, ident, domain, component, property)
-    for i in range(num_parts):
+    docs, parts = [], []
+    for _ in range(n):
         d, c, p = rng.integers(num_domains), rng.integers(num_components), rng.integers(num_properties)
         ident = _ident(rng, used)
         names, context = DOMAINS[d]
@@ -105,45 +94,43 @@ def make_synthetic_collection(
         doc_id = f"d{len(docs):04d}"
         docs.append(Document(doc_id, f"\"{ident}\" {comp}", text))
         parts.append((doc_id, ident, int(d), int(c), int(p)))
-    projects = []  # (doc_id, project name, part index)
-    project_names: set = set()
-    for i in range(num_projects):
+    return docs, parts
+
+
+def _projects(rng, n: int, parts, first_doc: int):
+    """``n`` project pages, each naming one part: ``(documents, projects)``, each ``(doc_id, name, part index)``."""
+    docs, projects, project_names = [], [], set()
+    for _ in range(n):
         while True:
             pname = f"{PROJECTS[rng.integers(len(PROJECTS))]}-{rng.integers(10, 100)}"
             if pname not in project_names:
                 project_names.add(pname)
                 break
-        part = int(rng.integers(num_parts))
+        part = int(rng.integers(len(parts)))
         _, ident, d, _, _ = parts[part]
         # the part's identifier comes first, so that a search result's snippet shows it (the hop's lead)
         text = (
             f"Key component: part \"{ident}\". Project {pname} is a {DOMAINS[d][0][0]} programme, "
             f"delivered by the {LABS[rng.integers(len(LABS))]} team."
         )
-        doc_id = f"d{len(docs):04d}"
+        doc_id = f"d{first_doc + len(docs):04d}"
         docs.append(Document(doc_id, f"Project {pname}", text))
         projects.append((doc_id, pname, part))
-    order = rng.permutation(len(docs))  # interleave the kinds of document; ids stay stable
-    docs = [docs[i] for i in order]
+    return docs, projects
 
+
+def _tasks(rng, name: str, parts, projects, queries_per_type: int) -> list[Task]:
+    """The three query types: a part by its identifier, parts by description, a project's component (two hops)."""
     mentions: dict[str, list[str]] = {}
     for doc_id, _, part in projects:
         mentions.setdefault(parts[part][1], []).append(doc_id)
-
     tasks: list[Task] = []
-    for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
+    for i, part in enumerate(rng.choice(len(parts), size=queries_per_type, replace=False)):
         doc_id, ident, *_ = parts[part]
         qrels = {doc_id: 2, **{m: 1 for m in mentions.get(ident, [])}}
-        tasks.append(
-            Task(
-                f"{name}/lookup-{i}",
-                f"{ident} {['datasheet', 'details', 'specification'][i % 3]}",
-                qrels,
-                name,
-                f"{name}/lookup",
-            )
-        )
-    for i, part in enumerate(rng.choice(num_parts, size=queries_per_type, replace=False)):
+        query = f"{ident} {['datasheet', 'details', 'specification'][i % 3]}"
+        tasks.append(Task(f"{name}/lookup-{i}", query, qrels, name, f"{name}/lookup"))
+    for i, part in enumerate(rng.choice(len(parts), size=queries_per_type, replace=False)):
         _, _, d, c, p = parts[part]
         qrels = {}
         for doc_id, _, d2, c2, p2 in parts:
@@ -153,8 +140,28 @@ def make_synthetic_collection(
             f"{PROPERTIES[p][1 + i % 2]} {COMPONENTS[c][1 + (i // 2) % 2]} for {DOMAINS[d][0][1 + (i // 4) % 2]} use"
         )
         tasks.append(Task(f"{name}/describe-{i}", query, qrels, name, f"{name}/describe"))
-    for i, proj in enumerate(rng.choice(num_projects, size=min(queries_per_type, num_projects), replace=False)):
+    for i, proj in enumerate(rng.choice(len(projects), size=min(queries_per_type, len(projects)), replace=False)):
         doc_id, pname, part = projects[proj]
         qrels = {doc_id: 1, parts[part][0]: 2}
         tasks.append(Task(f"{name}/multihop-{i}", f"component of project {pname}", qrels, name, f"{name}/multihop"))
-    return Collection(name, docs, tasks)
+    return tasks
+
+
+def make_synthetic_collection(
+    seed: int = 0,
+    num_parts: int = 1200,
+    num_projects: int = 400,
+    queries_per_type: int = 300,
+    synonym_rate: float = 0.3,
+    num_domains: int = 6,
+    num_components: int = 6,
+    num_properties: int = 5,
+    name: str = "synthetic",
+) -> Collection:
+    rng = np.random.default_rng(seed)
+    part_docs, parts = _parts(rng, num_parts, synonym_rate, num_domains, num_components, num_properties)
+    project_docs, projects = _projects(rng, num_projects, parts, len(part_docs))
+    docs = part_docs + project_docs
+    order = rng.permutation(len(docs))  # interleave the kinds of document; ids stay stable
+    docs = [docs[i] for i in order]
+    return Collection(name, docs, _tasks(rng, name, parts, projects, queries_per_type))

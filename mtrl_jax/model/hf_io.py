@@ -4,9 +4,7 @@ Every HF tensor name maps to exactly one parameter path (per-layer tensors are s
 leading ``layers`` axis). Loading fails, naming the tensor, on any tensor that is unmapped,
 duplicated (within the index or across shard files), mis-shaped, or missing.
 
-safetensors files are read and written here directly (the format is an 8-byte header length,
-a JSON header and raw little-endian data), memory-mapped, so bfloat16 checkpoints load without
-torch and without a float32 copy of the whole file.
+safetensors files are read and written by ``safetensors_io`` (memory-mapped, no torch).
 """
 
 from __future__ import annotations
@@ -16,126 +14,22 @@ import json
 import os
 import pathlib
 import re
-import struct
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from mtrl_jax.model.config import ModelConfig, dtype_from_name
 from mtrl_jax.model.transformer import Transformer, abstract_params
 
-# ----------------------------------------------------------------------------- safetensors
-
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-def is_float(dtype) -> bool:
-    """numpy's floating types and ml_dtypes' bfloat16 (which numpy does not count as floating)."""
-    return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
-
-
-def read_header(path: os.PathLike) -> tuple[dict, int]:
-    """``(header, header length)`` of a ``.safetensors`` file, every field of its framing checked: a file too
-    short for its length field, a length that does not fit the file (or over 100 MiB), a header that is not
-    a JSON object are errors naming the file, never a ``struct.error`` or a ``MemoryError``."""
-    path = pathlib.Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path}: not a safetensors file ({size} bytes; truncated or empty)")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > size - 8 or header_len > 100 * 2**20:
-            raise ValueError(
-                f"{path}: safetensors header of {header_len} bytes does not fit in a file of {size} bytes "
-                "(truncated or not a safetensors file)"
-            )
-        try:
-            header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicate_keys(path))
-        except (ValueError, RecursionError) as e:
-            raise ValueError(f"{path}: bad safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: bad safetensors header: not a JSON object")
-    return header, header_len
-
-
-def read_safetensors(path: os.PathLike) -> dict[str, np.ndarray]:
-    """Memory-mapped tensors of one ``.safetensors`` file (``__metadata__`` is skipped)."""
-    path = pathlib.Path(path)
-    size = path.stat().st_size
-    header, header_len = read_header(path)
-    data_len = size - 8 - header_len
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len) if data_len > 0 else np.zeros(0, np.uint8)
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_name, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        if dtype_name not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name}")
-        dtype = np.dtype(_ST_DTYPES[dtype_name])
-        expected = int(np.prod(shape)) * dtype.itemsize
-        if not (0 <= start <= end <= data_len) or end - start != expected:
-            raise ValueError(
-                f"{path}: tensor {name!r} needs bytes {start}..{end} ({expected} for shape {shape}) "
-                f"but the data section has {data_len} (truncated file?)"
-            )
-        tensors[name] = data[start:end].view(dtype).reshape(shape)
-    return tensors
-
-
-def write_safetensors(tensors: dict[str, np.ndarray], path: os.PathLike, metadata: Optional[dict] = None) -> None:
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        if array.dtype not in _ST_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {array.dtype} cannot be written to safetensors")
-        blob = array.tobytes()
-        header[name] = {
-            "dtype": _ST_NAMES[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        offset += len(blob)
-        blobs.append(blob)
-    header["__metadata__"] = {"format": "pt", **(metadata or {})}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
-
-
-def _no_duplicate_keys(source):
-    def hook(pairs):
-        seen = {}
-        for key, value in pairs:
-            if key in seen:
-                raise ValueError(f"{source}: duplicate key {key!r}")
-            seen[key] = value
-        return seen
-
-    return hook
+from mtrl_jax.model.safetensors_io import (  # noqa: F401 - read_safetensors, write_safetensors: hf_io's names too
+    is_float,
+    no_duplicate_keys,
+    read_header,
+    read_safetensors,
+    write_safetensors,
+)
 
 
 # ----------------------------------------------------------------------------- key map
@@ -227,7 +121,7 @@ def _tensor_sources(path: pathlib.Path) -> dict[str, pathlib.Path]:
     """HF tensor name -> the file holding it; errors on duplicates across or within files."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text(), object_pairs_hook=_no_duplicate_keys(index))["weight_map"]
+        weight_map = json.loads(index.read_text(), object_pairs_hook=no_duplicate_keys(index))["weight_map"]
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -282,19 +176,9 @@ def load_hf_checkpoint(
     one already, so that every mesh axis divides it (``ModelConfig.padded_vocab``; an export drops the padding).
     """
     path = pathlib.Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{config_file}: not found (expected an HF checkpoint directory)")
     param_dtype = jnp.dtype(param_dtype).name
     runtime["dtype"] = jnp.dtype(dtype or param_dtype).name
-    try:
-        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"{config_file}: expected a JSON object")
-    cfg = ModelConfig.from_hf(hf_config, source=str(config_file), param_dtype=param_dtype, **runtime)
-    cfg = cfg.padded_vocab(vocab_multiple)
+    cfg = read_hf_config(path / "config.json", param_dtype, runtime).padded_vocab(vocab_multiple)
     rules = key_map(cfg)
     boxed = abstract_params(cfg)
     shardings = None
@@ -302,50 +186,13 @@ def load_hf_checkpoint(
         from mtrl_jax.model.sharding import param_shardings
 
         shardings = param_shardings(boxed, mesh)
-
     sources = _tensor_sources(path)
-    open_files: dict[pathlib.Path, dict] = {}
-    by_rule: dict[int, dict[int, str]] = {i: {} for i in range(len(rules))}
-    for tensor in sorted(sources):
-        for r, rule in enumerate(rules):
-            match = rule.regex.match(tensor)
-            if match:
-                layer = int(match.group(1)) if rule.per_layer else 0
-                if layer >= cfg.num_layers:
-                    raise ValueError(f"tensor {tensor!r}: layer {layer} but num_hidden_layers={cfg.num_layers}")
-                by_rule[r][layer] = tensor
-                break
-        else:
-            raise ValueError(
-                f"tensor {tensor!r} in {sources[tensor].name} is not mapped to any parameter of a "
-                f"{cfg.model_type} model" + (" (tie_word_embeddings is true)" if tensor == "lm_head.weight" else "")
-            )
-
+    by_rule = _match_tensors(sources, rules, cfg)
     np_dtype = np.dtype(dtype_from_name(param_dtype))
+    open_files: dict[pathlib.Path, dict] = {}
     params: dict = {}
     for r, rule in enumerate(rules):
-        count = cfg.num_layers if rule.per_layer else 1
-        missing = [rule.hf.format(i=i) for i in range(count) if i not in by_rule[r]]
-        if missing:
-            raise ValueError(
-                f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            )
-        arrays = []
-        for i in range(count):
-            tensor = by_rule[r][i]
-            file = sources[tensor]
-            if file not in open_files:
-                open_files[file] = read_safetensors(file)
-            w = open_files[file][tensor]
-            expected = rule.hf_shape(cfg)
-            if tuple(w.shape) != expected:
-                raise ValueError(f"tensor {tensor!r} has shape {tuple(w.shape)}, expected {expected}")
-            if is_float(w.dtype) and not np.isfinite(w).all():
-                raise ValueError(
-                    f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})"
-                )
-            arrays.append(rule.to_ours(np.asarray(w).astype(np_dtype), cfg))
-        value = np.stack(arrays) if rule.per_layer else arrays[0]
+        value = _rule_value(rule, by_rule[r], sources, open_files, cfg, np_dtype)
         leaf = boxed
         for key in rule.path:
             leaf = leaf[key]
@@ -366,6 +213,66 @@ def load_hf_checkpoint(
         else:
             _set(params, rule.path, jnp.asarray(value))
     return Transformer(cfg), params
+
+
+def read_hf_config(config_file: pathlib.Path, param_dtype: str, runtime: dict) -> ModelConfig:
+    """The ``ModelConfig`` of an HF ``config.json``; a missing or malformed file is an error naming it."""
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file}: not found (expected an HF checkpoint directory)")
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object")
+    return ModelConfig.from_hf(hf_config, source=str(config_file), param_dtype=param_dtype, **runtime)
+
+
+def _match_tensors(sources: dict, rules: list[Rule], cfg: ModelConfig) -> dict[int, dict[int, str]]:
+    """``{rule index: {layer: tensor name}}``; a tensor no rule maps, or of a layer past the model's, is an error."""
+    by_rule: dict[int, dict[int, str]] = {i: {} for i in range(len(rules))}
+    for tensor in sorted(sources):
+        for r, rule in enumerate(rules):
+            match = rule.regex.match(tensor)
+            if match:
+                layer = int(match.group(1)) if rule.per_layer else 0
+                if layer >= cfg.num_layers:
+                    raise ValueError(f"tensor {tensor!r}: layer {layer} but num_hidden_layers={cfg.num_layers}")
+                by_rule[r][layer] = tensor
+                break
+        else:
+            raise ValueError(
+                f"tensor {tensor!r} in {sources[tensor].name} is not mapped to any parameter of a "
+                f"{cfg.model_type} model" + (" (tie_word_embeddings is true)" if tensor == "lm_head.weight" else "")
+            )
+    return by_rule
+
+
+def _rule_value(rule: Rule, tensors: dict[int, str], sources: dict, open_files: dict, cfg, np_dtype) -> np.ndarray:
+    """The parameter of ``rule`` from its tensors (stacked over layers), in ours layout and ``np_dtype``; a
+    missing, mis-shaped or non-finite tensor is an error naming it."""
+    count = cfg.num_layers if rule.per_layer else 1
+    missing = [rule.hf.format(i=i) for i in range(count) if i not in tensors]
+    if missing:
+        raise ValueError(
+            f"missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    arrays = []
+    for i in range(count):
+        tensor = tensors[i]
+        file = sources[tensor]
+        if file not in open_files:
+            open_files[file] = read_safetensors(file)
+        w = open_files[file][tensor]
+        expected = rule.hf_shape(cfg)
+        if tuple(w.shape) != expected:
+            raise ValueError(f"tensor {tensor!r} has shape {tuple(w.shape)}, expected {expected}")
+        if is_float(w.dtype) and not np.isfinite(w).all():
+            raise ValueError(
+                f"{file}: tensor {tensor!r} holds non-finite values ({int((~np.isfinite(w)).sum())} of {w.size})"
+            )
+        arrays.append(rule.to_ours(np.asarray(w).astype(np_dtype), cfg))
+    return np.stack(arrays) if rule.per_layer else arrays[0]
 
 
 # ----------------------------------------------------------------------------- export

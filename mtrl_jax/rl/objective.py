@@ -50,17 +50,15 @@ def objective(
     entropy: Optional[jnp.ndarray] = None,
     behav_logp: Optional[jnp.ndarray] = None,
     ref_logp: Optional[jnp.ndarray] = None,
-    num_tokens: Optional[jnp.ndarray] = None,
-    num_seqs: Optional[jnp.ndarray] = None,
-    num_rows: Optional[int] = None,
+    norms: Optional[dict] = None,
 ) -> tuple[jnp.ndarray, dict]:
     """Scalar loss and metrics for one (micro-)batch of ``[B, T]`` arrays.
 
     ``behav_logp`` enables the truncated-IS correction (old_logp recomputed by the trainer);
-    ``ref_logp`` is required when ``kl_coef > 0``. ``num_*`` are the mini-batch normalisers
-    for gradient accumulation (see ``losses.aggregate``).
+    ``ref_logp`` is required when ``kl_coef > 0``. ``norms``: the mini-batch normalisers for gradient
+    accumulation, ``num_tokens``, ``num_seqs`` and ``num_rows`` (see ``losses.aggregate``; None: this batch's own).
     """
-    norms = dict(norm_len=cfg.norm_len, num_tokens=num_tokens, num_seqs=num_seqs, num_rows=num_rows)
+    norms = dict(norm_len=cfg.norm_len, num_tokens=None, num_seqs=None, num_rows=None) | (norms or {})
     per_token, metrics = losses.compute(
         cfg.loss,
         logp,

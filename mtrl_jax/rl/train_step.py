@@ -263,7 +263,7 @@ def micro_loss(plan: StepPlan, frozen, current: dict, params, micro: dict, norms
         entropy=entropy,
         behav_logp=micro["behav_logp"] if cfg.old_logp == "recompute" else None,
         ref_logp=micro.get("ref_logp"),
-        **norms,
+        norms=norms,
     )
     dev = jnp.abs(jax.lax.stop_gradient(micro["old_logp"]) - micro["behav_logp"]) * micro["loss_mask"]
     return loss, {**metrics, "behav_logp_max_abs_dev": jnp.max(dev)}

@@ -135,12 +135,9 @@ class Collector:
         return done
 
     def run(self, requests: Sequence[EpisodeRequest]) -> list[Trajectory]:
-        """Run every episode to the end; returns trajectories in request order."""
-        cfg = self.config
-        pending = collections.deque(enumerate(requests))
-        slots: list[Optional[_Slot]] = [None] * cfg.slots
-        results: dict[int, Trajectory] = {}
-        order: dict[int, int] = {}
+        """Run every episode to the end; returns trajectories in request order. Each round refills the free slots,
+        takes the finished tool calls, extends the slots with new tokens (prompts, tool results), decodes the
+        slots whose turn it is, or else waits for a tool call to finish."""
         timings = self.timings = {
             "extend_s": 0.0,
             "decode_s": 0.0,
@@ -148,86 +145,118 @@ class Collector:
             "extend_calls": 0,
             "decode_calls": 0,
         }
-        counts = ExtendCounts()
-        state = self.sampler.init()
-
-        def release_if_done(i: int):
-            if slots[i].run.done:
-                results[order[i]] = slots[i].run.trajectory
-                slots[i] = None
-
-        def receive(i: int, step_result):
-            slot = slots[i]
-            slot.block = self.driver.receive(slot.run, step_result)
-            slot.phase = "extend"
-            release_if_done(i)
-
-        while pending or any(slots):
-            for i in range(cfg.slots):  # refill free slots
-                while slots[i] is None and pending:
-                    index, req = pending.popleft()
-                    run, prompt = self.driver.begin(req.task, req.group_id, req.sample_index)
-                    slots[i], order[i] = _Slot(req, run, "extend", block=prompt), index
-                    release_if_done(i)
-
-            for i, slot in enumerate(slots):  # collect finished tool calls
-                if slot is not None and slot.phase == "tool" and slot.future.done():
-                    receive(i, slot.future.result())
-
-            if any(s is not None and s.phase == "extend" for s in slots):
-                params, _ = self.params_source()
-                fresh = [s is not None and s.phase == "extend" and s.fresh for s in slots]
-                if any(fresh):
-                    state = self.sampler.reset_rows(state, fresh)
-                blocks = [s.block if s is not None and s.phase == "extend" else [] for s in slots]
-                start = time.perf_counter()
-                state, appended = self.sampler.extend(params, state, blocks)
-                state = jax.block_until_ready(state)
-                counts = counts + appended
-                timings["extend_s"] += time.perf_counter() - start
-                timings["extend_calls"] += 1
-                for s in slots:
-                    if s is not None and s.phase == "extend":
-                        s.phase, s.block, s.fresh = "decode", [], False
-
-            decoding = [s is not None and s.phase == "decode" for s in slots]
-            if any(decoding):
-                params, version = self.params_source()
-                keys = [s.request.key if s is not None else jax.random.PRNGKey(0) for s in slots]
-                budget = [cfg.max_tokens_per_turn - len(s.run.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
-                start = time.perf_counter()
-                state, out = self.sampler.decode(
-                    params,
-                    state,
-                    jax.numpy.stack(keys),
-                    [cfg.temperature] * cfg.slots,
-                    [cfg.top_p] * cfg.slots,
-                    self.stop_tokens,
-                    decoding,
-                    budget,
-                )
-                tokens, logp, num, reason = jax.device_get((out.tokens, out.logp, out.num_tokens, out.stop_reason))
-                timings["decode_s"] += time.perf_counter() - start
-                timings["decode_calls"] += 1
-                for i, slot in enumerate(slots):
-                    if not decoding[i]:
-                        continue
-                    n = int(num[i])
-                    self.driver.add_sampled(slot.run, tokens[i, :n], logp[i, :n], version)
-                    if reason[i] == S.STOP_TOKEN:
-                        slot.phase = "tool"
-                        slot.future = self._submit(self.driver.act, slot.run)
-                    elif reason[i] == S.CACHE_FULL:
-                        self.driver.fail(slot.run, "context_limit")
-                        release_if_done(i)
-                    elif len(slot.run.turn_tokens) >= cfg.max_tokens_per_turn:
-                        receive(i, self.driver.act(slot.run, hit_token_limit=True))
-            elif any(s is not None and s.phase == "tool" for s in slots):
-                futures = [s.future for s in slots if s is not None and s.phase == "tool"]
-                if not any(f.done() for f in futures):
-                    start = time.perf_counter()
-                    concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-                    timings["tool_wait_s"] += time.perf_counter() - start
+        run = _Slots(self, requests)
+        while run.pending or any(run.slots):
+            run.refill()
+            run.take_tool_results()
+            if run.any_in("extend"):
+                run.extend()
+            if run.any_in("decode"):
+                run.decode()
+            elif run.any_in("tool"):
+                run.wait_for_a_tool()
+        counts = run.counts
         timings.update(extend_tokens=counts.extended, extend_computed=counts.computed, extend_shared=counts.shared)
         timings.update(counts.fractions())
-        return [results[i] for i in range(len(requests))]
+        return [run.results[i] for i in range(len(requests))]
+
+
+class _Slots:
+    """One ``Collector.run`` call: the sampler's slots (each an episode between its phases "extend", "decode" and
+    "tool"), the requests waiting for one, the finished trajectories and the sampler state."""
+
+    def __init__(self, collector: Collector, requests: Sequence[EpisodeRequest]):
+        self.c, self.cfg = collector, collector.config
+        self.pending = collections.deque(enumerate(requests))
+        self.slots: list[Optional[_Slot]] = [None] * self.cfg.slots
+        self.results: dict[int, Trajectory] = {}
+        self.order: dict[int, int] = {}
+        self.counts = ExtendCounts()
+        self.state = collector.sampler.init()
+
+    def any_in(self, phase: str) -> bool:
+        return any(s is not None and s.phase == phase for s in self.slots)
+
+    def release_if_done(self, i: int) -> None:
+        if self.slots[i].run.done:
+            self.results[self.order[i]] = self.slots[i].run.trajectory
+            self.slots[i] = None
+
+    def receive(self, i: int, step_result) -> None:
+        slot = self.slots[i]
+        slot.block = self.c.driver.receive(slot.run, step_result)
+        slot.phase = "extend"
+        self.release_if_done(i)
+
+    def refill(self) -> None:
+        for i in range(self.cfg.slots):
+            while self.slots[i] is None and self.pending:
+                index, req = self.pending.popleft()
+                run, prompt = self.c.driver.begin(req.task, req.group_id, req.sample_index)
+                self.slots[i], self.order[i] = _Slot(req, run, "extend", block=prompt), index
+                self.release_if_done(i)
+
+    def take_tool_results(self) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.phase == "tool" and slot.future.done():
+                self.receive(i, slot.future.result())
+
+    def extend(self) -> None:
+        """The slots in phase "extend" take their new tokens in one call, then decode."""
+        slots, timings = self.slots, self.c.timings
+        params, _ = self.c.params_source()
+        fresh = [s is not None and s.phase == "extend" and s.fresh for s in slots]
+        if any(fresh):
+            self.state = self.c.sampler.reset_rows(self.state, fresh)
+        blocks = [s.block if s is not None and s.phase == "extend" else [] for s in slots]
+        start = time.perf_counter()
+        state, appended = self.c.sampler.extend(params, self.state, blocks)
+        self.state = jax.block_until_ready(state)
+        self.counts = self.counts + appended
+        timings["extend_s"] += time.perf_counter() - start
+        timings["extend_calls"] += 1
+        for s in slots:
+            if s is not None and s.phase == "extend":
+                s.phase, s.block, s.fresh = "decode", [], False
+
+    def decode(self) -> None:
+        """One decode call for the slots in phase "decode"; a turn that ended goes to its tool, or fails."""
+        slots, cfg, timings, driver = self.slots, self.cfg, self.c.timings, self.c.driver
+        decoding = [s is not None and s.phase == "decode" for s in slots]
+        params, version = self.c.params_source()
+        keys = [s.request.key if s is not None else jax.random.PRNGKey(0) for s in slots]
+        budget = [cfg.max_tokens_per_turn - len(s.run.turn_tokens) if d else 0 for s, d in zip(slots, decoding)]
+        start = time.perf_counter()
+        self.state, out = self.c.sampler.decode(
+            params,
+            self.state,
+            jax.numpy.stack(keys),
+            [cfg.temperature] * cfg.slots,
+            [cfg.top_p] * cfg.slots,
+            self.c.stop_tokens,
+            decoding,
+            budget,
+        )
+        tokens, logp, num, reason = jax.device_get((out.tokens, out.logp, out.num_tokens, out.stop_reason))
+        timings["decode_s"] += time.perf_counter() - start
+        timings["decode_calls"] += 1
+        for i, slot in enumerate(slots):
+            if not decoding[i]:
+                continue
+            n = int(num[i])
+            driver.add_sampled(slot.run, tokens[i, :n], logp[i, :n], version)
+            if reason[i] == S.STOP_TOKEN:
+                slot.phase = "tool"
+                slot.future = self.c._submit(driver.act, slot.run)
+            elif reason[i] == S.CACHE_FULL:
+                driver.fail(slot.run, "context_limit")
+                self.release_if_done(i)
+            elif len(slot.run.turn_tokens) >= cfg.max_tokens_per_turn:
+                self.receive(i, driver.act(slot.run, hit_token_limit=True))
+
+    def wait_for_a_tool(self) -> None:
+        futures = [s.future for s in self.slots if s is not None and s.phase == "tool"]
+        if not any(f.done() for f in futures):
+            start = time.perf_counter()
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.c.timings["tool_wait_s"] += time.perf_counter() - start

@@ -178,20 +178,26 @@ def sample_tokens(logits, keys, temperature, top_p):
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
+class DecodeRows(NamedTuple):
+    """The per-row controls of a ``decode`` call (``[B]`` arrays, ``stop_tokens [B, n]``)."""
+
+    row_keys: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    stop_tokens: jax.Array
+    active: jax.Array
+    budget: jax.Array
+
+
 def decode(
     cfg: ModelConfig,
     params,
     state: SamplerState,
-    row_keys,
-    temperature,
-    top_p,
-    stop_tokens,
-    active,
-    budget,
+    rows: DecodeRows,
     max_new_tokens: int,
     window: Optional[int] = None,
 ) -> tuple[SamplerState, DecodeOutput]:
-    """Sample up to ``min(budget[b], max_new_tokens)`` tokens per active row.
+    """Sample up to ``min(budget[b], max_new_tokens)`` tokens per active row (``rows``: ``DecodeRows``).
 
     ``row_keys [B]``: one PRNG key per row; the token at cache position ``p`` is drawn with
     ``fold_in(row_keys[b], p)``, so a row's samples do not depend on its slot, its neighbours or
@@ -202,6 +208,7 @@ def decode(
     length + ``min(budget, max_new_tokens)`` must fit, or the row stops with ``CACHE_FULL`` at the
     window's end.
     """
+    row_keys, temperature, top_p, stop_tokens, active, budget = rows
     B = state.lengths.shape[0]
     capacity = state.cache.max_len
     max_len = min(window or capacity, capacity)

@@ -107,7 +107,7 @@ class SearchEnvironment(Environment):
 
     def reset(self, task) -> tuple[SearchEpisode, list[dict]]:
         system = {"role": "system", "content": self.system_prompt()}
-        if self.config.tool_prompt == "template":  # the chat template renders them (chat.TemplateChat)
+        if self.config.tool_prompt == "template":  # the chat template renders them (chat_template.TemplateChat)
             system["tools"] = [t.schema() for t in self.tools.values()]
         return SearchEpisode(task), [system, {"role": "user", "content": task.query}]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -92,6 +93,17 @@ class ReplyTooLarge(ValueError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    """A remote call's limits: a connection's timeout, retries with backoff, an overall deadline and a reply cap."""
+
+    timeout_s: float = 10.0
+    retries: int = 2
+    backoff_s: float = 0.2
+    deadline_s: float = 30.0
+    max_reply_bytes: int = 8 << 20
+
+
 class RemoteSearchTool(SearchTool):
     """The same tool served by ``tools/serve_tools.py``: POST ``{url}/search`` with
     ``{"tool", "query", "top_k"}``. Each call has an overall deadline (``deadline_s``, retries and a reply
@@ -110,16 +122,16 @@ class RemoteSearchTool(SearchTool):
         top_k: int = 5,
         max_top_k: int = 20,
         max_doc_chars: int = 200,
-        timeout_s: float = 10.0,
-        retries: int = 2,
-        backoff_s: float = 0.2,
-        deadline_s: float = 30.0,
-        max_reply_bytes: int = 8 << 20,
         health: Optional[ServiceHealth] = None,
+        **limits,
     ):
+        """``limits``: the fields of ``HttpLimits`` (``timeout_s``, ``retries``, ``backoff_s``, ``deadline_s``,
+        ``max_reply_bytes``)."""
         super().__init__(name, description, None, None, top_k, max_top_k, max_doc_chars)
-        self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
-        self.deadline_s, self.max_reply_bytes = deadline_s, max_reply_bytes
+        self.url = url.rstrip("/")
+        self.timeout_s, self.retries, self.backoff_s, self.deadline_s, self.max_reply_bytes = dataclasses.astuple(
+            HttpLimits(**limits)
+        )
         self.health = health or ServiceHealth(self.url)
 
     def _post(self, body: bytes, deadline: float) -> tuple[int, str, bytes]:
