@@ -1,12 +1,12 @@
 """An ablation that resolves: losses x advantage estimators on the embedded default, the arms of a seed
-sharing its warm-up (``experiments.ablate``), against the same runs without sharing.
+sharing its cold start (``experiments.ablate``), against the same runs without sharing.
 
     python -m benchmarks.bench_ablation --out /work/runs/bench_ablation [--seeds 0,1,2,3,4] [--unshared 1]
 
 Runs ``python -m experiments.ablate --config=configs/default.py --grid rl.loss=ppo,cispo,is
---grid rl.advantage=grpo,rloo,grpo_passk --seeds ...`` (resumable: a finished arm or warm-up is not rerun),
-timing it. Without sharing, each of the arm-seeds would be a standalone ``experiments.run``: its warm-up and
-its RL. Its time is the arm's own wall time plus that of the warm-up it started from (both recorded by the
+--grid rl.advantage=grpo,rloo,grpo_passk --seeds ...`` (resumable: a finished arm or cold start is not rerun),
+timing it. Without sharing, each of the arm-seeds would be a standalone ``experiments.run``: its cold start and
+its RL. Its time is the arm's own wall time plus that of the cold start it started from (both recorded by the
 runs); ``--unshared k`` also runs k of them standalone (the first arms of the last seed), so that this sum is
 checked against real standalone runs, side by side. Prints the minutes of both, their ratio, and the
 ablation's verdicts: the pairs it separates, or the widest paired interval (an equivalence result when every
@@ -62,13 +62,13 @@ def main(argv=None):
     arms_s = sum(r["wall_seconds"] for r in results["arms"].values())
     warmups_s = results["warmups"]["wall_seconds"]
     shared_s = arms_s + warmups_s
-    # each arm-seed without sharing: its own warm-up (the one it started from) and its RL
+    # each arm-seed without sharing: its own cold start (the one it started from) and its RL
     warmup_of = {p.name: wall(p) for p in (out / "shared" / "warmups").glob("seed_*")}
     per_seed_warmup = {}
     for name, s in warmup_of.items():
         per_seed_warmup.setdefault(int(name.split("-")[0].removeprefix("seed_")), []).append(s)
     cells = grid_cells(parse_grid(grid_args))
-    # one warm-up per seed here (the grid reads no warm-up field): every arm-seed would train it again
+    # one cold start per seed here (the grid reads no cold start field): every arm-seed would train it again
     unshared_s = arms_s + len(cells) * sum(sum(per_seed_warmup.get(seed, [float("nan")])) for seed in seeds)
     print(
         f"\nshared: {shared_s / 60:.1f} min for {len(cells) * len(seeds)} arm-seeds "

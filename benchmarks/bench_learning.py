@@ -1,11 +1,11 @@
-"""Does RL beat the warmed-up teacher? The default config over several seeds, means with 95% intervals.
+"""Does RL beat the cold-started teacher? The default config over several seeds, means with 95% intervals.
 
     python -m benchmarks.bench_learning --seeds 0,1,2 --out workdirs/bench_learning
 
 Each seed is a full `experiments.run` of configs/default.py (synthetic collection, tokenizer,
-warm-up and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
+cold start and RL all seeded) in `<out>/seed_<s>`; a seed whose summary.json exists is not rerun,
 so the script resumes; each run's wall time is printed. The baseline, measured in the same runs, is the
-warmed-up policy before RL.
+cold-started policy before RL.
 Extra `--config.*` overrides are passed through. It also prints, from the runs' evaluation
 trajectories, nDCG@10, mean turns and the share of each tool's first call per task type (e.g.
 `synthetic/multihop`), before and after RL: what RL changed, not only how much; and the checks of

@@ -48,7 +48,7 @@ def main(argv=None):
         step = build(fn)
         mem = step.lower(hidden, head).compile().memory_analysis()
         peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-        jax.block_until_ready(step(hidden, head))  # compile + warm up
+        jax.block_until_ready(step(hidden, head))  # compile + cold-start
         start = time.perf_counter()
         for _ in range(args.repeats):
             jax.block_until_ready(step(hidden, head))

@@ -1,5 +1,5 @@
 """Does a real model become a better search agent? The whole recipe of a real-model config (an evaluation
-of the base model, the cold-start warm-up, an evaluation, MTRL, an evaluation) over several seeds, per
+of the base model, the cold-start cold start, an evaluation, MTRL, an evaluation) over several seeds, per
 collection, beside one-search baselines on the very same dev queries.
 
     python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
@@ -9,17 +9,17 @@ Each seed is one ``experiments.run`` of the config with ``eval.before_warmup`` o
 (a seed already finished is not rerun, so the script resumes). From the runs' evaluation trajectories it
 prints, per collection and stage (base -> warmed up -> after RL): nDCG@10 (failures count 0), failure
 rate by reason, mean turns, tool calls and repeated calls per episode; each seed, then the mean with its 95% interval
-over seeds, and the change from the warmed-up policy to RL. The baselines are one search with the
+over seeds, and the change from the cold-started policy to RL. The baselines are one search with the
 question as typed (BM25, dense, their fusion), its top 10 as the ranking; each seed's policy after RL is
 also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
 the mean difference; for several seeds also of their mean), since a mean over 25-30 queries can hide one
 query's luck. Then each run's minutes and peak resident memory. Extra ``--config.*`` arguments go to every run.
-``--samples k`` also evaluates each seed's finished warm-up and RL policy with k samples a dev query at
+``--samples k`` also evaluates each seed's finished cold start and RL policy with k samples a dev query at
 the rollout temperature (the policy RL trains, where the table above decodes greedily), with RL's change.
 
 ``--step_baseline REV`` instead times the RL step of the config here and in a git worktree of ``REV``:
 each checkout's own ``configs/real_cpu.py`` on the same data (one collection, its dev queries cut to
-``--step_eval_tasks``), no warm-up, ``--steps`` RL steps, the two runs alternated ``--rounds`` times; it
+``--step_eval_tasks``), no cold start, ``--steps`` RL steps, the two runs alternated ``--rounds`` times; it
 prints the median step time of each (the first step, which compiles, left out) and the speed-up.
 """
 
@@ -101,7 +101,7 @@ def print_rows(label: str, rows: list) -> None:
 
 
 def sampled_evaluations(config: str, seeds: list[int], out: pathlib.Path, overrides: list[str], k: int) -> dict:
-    """``{seed: {stage: {collection: summarize(...)}}}``: each seed's finished warm-up and RL policy evaluated
+    """``{seed: {stage: {collection: summarize(...)}}}``: each seed's finished cold start and RL policy evaluated
     with ``k`` samples a dev query at the rollout temperature (``experiments.evaluate --stage``), in
     ``<out>/seed_<s>/sampled_<stage>_k<k>`` (an evaluation already written is read, not rerun)."""
     from mtrl_jax.evaluate import STAGES
@@ -122,7 +122,7 @@ def sampled_evaluations(config: str, seeds: list[int], out: pathlib.Path, overri
 
 
 def report_sampled(found: dict, k: int) -> None:
-    """The warmed-up and RL policies as RL samples them, per collection: the rows, and RL's change."""
+    """The cold-started and RL policies as RL samples them, per collection: the rows, and RL's change."""
     names = sorted({name for stages in found.values() for results in stages.values() for name in results})
     for name in names:
         print(f"\n### {name}, sampled: {k} samples a dev query at the rollout temperature\n")

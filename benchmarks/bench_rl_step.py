@@ -1,6 +1,6 @@
 """Where the default RL step's time goes: a short run of configs/default.py, step by step.
 
-    python -m benchmarks.bench_rl_step                       # 8 RL steps after a 300-step warm-up
+    python -m benchmarks.bench_rl_step                       # 8 RL steps after a 300-step cold start
     python -m benchmarks.bench_rl_step --baseline 1114276    # the same run at another commit, side by side
 
 Each RL step's metrics (``metrics.jsonl``) hold its timings: the collection (``collect_s``) split

@@ -14,7 +14,7 @@ layers, hidden 512, vocabulary 32k, B8 x T512) one optimizer step on a batch of 
   ``Qwen3ForCausalLM`` (torch, float32, its default SDPA attention): forward, log-softmax gather,
   the same PPO loss (asymmetric and dual clip, token mean), backward, gradient clipping, AdamW.
 
-The two alternate, ``--repeats`` times, after a warm-up call each; the script prints the median
+The two alternate, ``--repeats`` times, after a cold start call each; the script prints the median
 tokens/s of each, the ratio, and each side's share of the float32 matmul peak measured in the same
 run (the faster of a 2048^3 ``jnp.dot`` and ``torch.mm``), with the model's FLOPs counted as
 ``6 x (matmul parameters) x tokens + 6 x layers x heads x head_dim x T^2 x B`` (causal attention, forward and backward).
@@ -35,7 +35,7 @@ against computing them.
 
 ``--baseline REV`` instead times the project's update against itself at another commit: the same
 harness, run in child processes with ``mtrl_jax`` imported from a git worktree of ``REV`` or from
-this tree, alternated ``--rounds`` times (each child a warm-up call and ``--repeats`` timed ones);
+this tree, alternated ``--rounds`` times (each child a cold start call and ``--repeats`` timed ones);
 it prints the median of the children's medians and the speed-up.
 """
 

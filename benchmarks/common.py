@@ -92,8 +92,8 @@ def machine_line(peak: bool = True) -> str:
 
 
 def alternate(fns: Mapping[str, Callable[[], object]], repeats: int) -> tuple[dict, dict]:
-    """Median seconds of each function, calls alternated ``repeats`` times after one warm-up call each
-    (which compiles), and each function's warm-up output."""
+    """Median seconds of each function, calls alternated ``repeats`` times after one cold start call each
+    (which compiles), and each function's cold start output."""
     outputs = {name: fn() for name, fn in fns.items()}
     times: dict = {name: [] for name in fns}
     for _ in range(repeats):

@@ -17,7 +17,7 @@ def get_config():
     c.global_batch_size = 8  # prompts per RL step (each sampled rollout.group_size times)
     c.rollout_max_concurrency = 32  # episodes generated at once (slots of the generation batch)
     # 0: max_epochs * (train tasks // global_batch_size). 48: with 64 the hop spreads to lookups again, with
-    # 32 it is not yet learnt on every seed (RL-only runs from the same warm-ups, docs/decisions.md)
+    # 32 it is not yet learnt on every seed (RL-only runs from the same cold starts, docs/decisions.md)
     c.max_steps = 48
     # JAX's persistent compilation cache: a later run (a rerun, another arm of an ablation, a resumed
     # run) loads the programs an earlier one compiled instead of compiling them again, which is minutes
@@ -45,7 +45,7 @@ def get_config():
     # CPU); "xla" or "cudnn" = jax.nn.dot_product_attention with that implementation (cuDNN on GPU)
     c.model.attention_impl = ""
     # each chunk is its own einsums in every compiled program: 256 rather than 128 compiles the update's
-    # length branches and the warm-up's shapes in less time (docs/decisions.md), for a few more
+    # length branches and the cold start's shapes in less time (docs/decisions.md), for a few more
     # scores computed and masked (the causal triangle's half of each chunk)
     c.model.attention_chunk = 256
     # layers per iteration of the layer loop; 0 = all: no loop, whose backward pass on CPU moves every
@@ -74,7 +74,7 @@ def get_config():
     c.data.max_eval_tasks = 0  # 0: all dev tasks
     # the first this many of each collection's validation tasks are evaluated (0: all); the split is unchanged
     c.data.max_eval_per_collection = 0
-    # the first this many of each collection's training tasks are the warm-up's and RL's (0: all); a quick
+    # the first this many of each collection's training tasks are the cold start's and RL's (0: all); a quick
     # trial of the mechanics (the tests' runs), the held-out split unchanged
     c.data.max_train_per_collection = 0
 
@@ -107,7 +107,7 @@ def get_config():
     c.rollout.max_tokens_per_turn = 48
     c.rollout.decode_chunk = 48
     c.rollout.tool_workers = 4  # 0: tools inline (a fully deterministic schedule)
-    # compile every extend / decode shape in a background thread while the warm-up and the first
+    # compile every extend / decode shape in a background thread while the cold start and the first
     # evaluation run, so that no RL step waits on a shape first met late
     c.rollout.precompile = True
     # a new episode's prompt takes the cached keys and values of the prefix it shares with another
@@ -132,7 +132,7 @@ def get_config():
     c.rl.old_logp = "recompute"
     c.rl.tis_cap = 2.0
     c.rl.kl_coef = (
-        0.3  # k3 KL to the policy RL started from (keeps the warmed-up copying intact; 0.1 hops on more lookups)
+        0.3  # k3 KL to the policy RL started from (keeps the cold-started copying intact; 0.1 hops on more lookups)
     )
     c.rl.kl_estimator = "k3"
     c.rl.entropy_coef = 0.0
@@ -175,7 +175,7 @@ def get_config():
     # the same losses and gradients, about 1.5x faster steps (docs/decisions.md)
     c.warmup.share_prefix = True
     # the steps' views of the demonstrations: one in full_every trains on whole ones, one in two_turn_every
-    # (0: none) on them cut after their second turn (the hop's copy; most of the warm-up's time, since
+    # (0: none) on them cut after their second turn (the hop's copy; most of the cold start's time, since
     # they hold the first search's results), the rest on them cut after their first turn (the question's copy)
     c.warmup.full_every = 8
     c.warmup.two_turn_every = 2
@@ -210,15 +210,15 @@ def get_config():
     # results are most of a demonstration (real models); off on the default, whose learning depends on rounding
     c.warmup.loss_columns_only = False
     c.warmup.micro_batches = 1  # a step's rows in slices, gradients accumulated: less memory (needs loss_columns_only)
-    # with LoRA (model.lora_rank > 0): the warm-up trains every base weight (a policy trained from scratch, like
+    # with LoRA (model.lora_rank > 0): the cold start trains every base weight (a policy trained from scratch, like
     # the tiny default, cannot learn the protocol through adapters over a random base); RL then trains fresh
-    # adapters over the warmed-up base, which is frozen (and is the KL reference with the adapters off)
+    # adapters over the cold-started base, which is frozen (and is the KL reference with the adapters off)
     c.warmup.train_base = False
 
     c.eval = config_dict.ConfigDict()
     c.eval.every_steps = 0  # 0: only before and after RL
     c.eval.temperature = 0.0  # greedy
-    c.eval.before_warmup = False  # also evaluate the base policy before the warm-up (summary.json's "base")
+    c.eval.before_warmup = False  # also evaluate the base policy before the cold start (summary.json's "base")
 
     c.checkpoint = config_dict.ConfigDict()
     c.checkpoint.every_steps = 4

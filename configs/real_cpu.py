@@ -1,5 +1,5 @@
 """A real instruction-tuned model (SmolLM2-135M-Instruct) taught to search on the four shared collections,
-on 2 CPU cores: a cold start (supervised warm-up on scripted demonstrations rendered with the checkpoint's
+on 2 CPU cores: a cold start (supervised cold start on scripted demonstrations rendered with the checkpoint's
 own chat template), then MTRL, with an evaluation before each and after RL.
 
     python -m tools.fetch_models --model smollm2-135m-instruct --out models/smollm2-135m-instruct
@@ -18,9 +18,9 @@ from configs import default
 def get_config():
     c = default.get_config()
     c.unlock()
-    # RL steps: with the earlier, unselected warm-up the policy settled on BM25 and the fallback answer in the
+    # RL steps: with the earlier, unselected cold start the policy settled on BM25 and the fallback answer in the
     # first 12 or so, and the smaller gain of asking for 10 results took over by step 32 (seed 0, 48 steps); the
-    # best-of-4 warm-up below starts nearer both, so 40 steps (docs/real_models.md)
+    # best-of-4 cold start below starts nearer both, so 40 steps (docs/real_models.md)
     c.max_steps = 40
     c.global_batch_size = 4  # queries per RL step
     c.rollout_max_concurrency = 16  # = global_batch_size x group_size: one generation batch per step
@@ -58,7 +58,7 @@ def get_config():
     c.rollout.max_len = 1024
     # room for an answer of all 10 ids shown (SmolLM2's tokens: SciFact's up to 106, DBpedia-entity's up to 220):
     # at 96 the teacher's id lists were cut to what fitted, the greedy policy wrote one id more, and 30% of
-    # SciFact's and 44% of DBpedia's held-out answers after the warm-up hit the limit (seed 0 at f5c7498)
+    # SciFact's and 44% of DBpedia's held-out answers after the cold start hit the limit (seed 0 at f5c7498)
     c.rollout.max_tokens_per_turn = 224
     c.rollout.decode_chunk = 48
     c.rollout.tool_workers = 2

@@ -21,7 +21,7 @@ def get_config():
     c.env.tool_prompt = "auto"  # the checkpoint's template renders the tool schemas
     c.rollout.max_len = 1536  # its tool system prompt is about 400 tokens longer than the compact one
     c.rl.logprob_chunk = 512  # a 151,936-entry vocabulary: logits in chunks of 512 tokens
-    # a shorter schedule: 16 warm-up steps (128 of the best-of-4 demonstrations, as for SmolLM2), 3 RL steps, and
+    # a shorter schedule: 16 cold start steps (128 of the best-of-4 demonstrations, as for SmolLM2), 3 RL steps, and
     # each evaluation on the first 8 held-out queries of each collection (the split unchanged; the bench's
     # baselines are on the same 32 queries)
     c.warmup.steps = 16

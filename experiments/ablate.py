@@ -1,4 +1,4 @@
-"""Ablations that share their warm-up and their randomness:
+"""Ablations that share their cold start and their randomness:
 
     python -m experiments.ablate --config=configs/default.py --grid rl.loss=ppo,cispo,is \\
         --grid rl.advantage=grpo,rloo,grpo_passk --seeds 0,1,2,3,4 --out workdirs/ablate [--config.x=y ...]
@@ -6,17 +6,17 @@
 Every arm (a cell of the grid) runs once per seed as ``experiments.run`` in ``<out>/<arm>/seed_<s>``. Arms of
 one seed share:
 
-* **the warm-up.** It is trained once per seed and per value of the fields it reads (``warmup_key``: the
+* **the cold start.** It is trained once per seed and per value of the fields it reads (``warmup_key``: the
   config without the fields only RL and the evaluations read, ``RL_ONLY``), as ``experiments.run
   --stage=warmup`` in ``<out>/warmups/<key>``; each arm starts from a copy of it (``warmup/`` and
-  ``tokenizer.json``), so it is a run that resumes after its warm-up. A grid field the warm-up reads gives
-  each of its values its own warm-up.
+  ``tokenizer.json``), so it is a run that resumes after its cold start. A grid field the cold start reads gives
+  each of its values its own cold start.
 * **their random numbers.** The run's streams are named and seeded by the seed alone (``mtrl_jax.rng``):
   the same task order, the same per-episode sampling keys, the same evaluation keys. Arms differ only in
   what the grid changes, and an arm gives the parameters of a standalone ``experiments.run`` of that seed
   and config (``tests/test_ablate.py``, with ``rollout.asynchronous=False rollout.tool_workers=0``).
 
-A finished arm (its ``summary.json``) or warm-up is not run again, so the command resumes. Then, on the dev
+A finished arm (its ``summary.json``) or cold start is not run again, so the command resumes. Then, on the dev
 split's per-query nDCG@10 after RL (``trajectories/eval_after.jsonl``):
 
 * ``results.json``: ``arms`` (per arm ``mean``, ``ci95``, ``n``, the failure rate and the dev curve),
@@ -44,9 +44,9 @@ from experiments.sweep import load_config, timed_run
 from mtrl_jax import stats
 from mtrl_jax.metrics import flatten, task_scores
 
-# Fields no part of the warm-up reads (the RL objective and optimizer, the rollout's sampling and scheduling,
-# the evaluations, checkpoints and logs). Every other field is part of the warm-up's key: a field missing
-# here costs a warm-up more, never a wrong share.
+# Fields no part of the cold start reads (the RL objective and optimizer, the rollout's sampling and scheduling,
+# the evaluations, checkpoints and logs). Every other field is part of the cold start's key: a field missing
+# here costs a cold start more, never a wrong share.
 RL_ONLY_PREFIXES = ("rl.", "optim.", "eval.", "checkpoint.", "log.")
 RL_ONLY_FIELDS = {
     "max_steps",
@@ -65,20 +65,20 @@ RL_ONLY_FIELDS = {
     "rollout.asynchronous",
     "rollout.max_staleness",
 }
-WARMUP_READS_RL = {"rl.logprob_chunk", "rl.max_nonfinite_steps"}  # under rl., but the warm-up's step reads them
-SHARED_FILES = ("warmup", "tokenizer.json")  # what an arm's work directory gets from its seed's warm-up
+WARMUP_READS_RL = {"rl.logprob_chunk", "rl.max_nonfinite_steps"}  # under rl., but the cold start's step reads them
+SHARED_FILES = ("warmup", "tokenizer.json")  # what an arm's work directory gets from its seed's cold start
 
 
 def reads_warmup(field: str) -> bool:
-    """Whether the warm-up may read ``field`` (a dotted config path)."""
+    """Whether the cold start may read ``field`` (a dotted config path)."""
     if field in WARMUP_READS_RL:
         return True
     return not (field in RL_ONLY_FIELDS or field.startswith(RL_ONLY_PREFIXES))
 
 
 def warmup_key(config) -> str:
-    """A hash of every field the warm-up may read (the seed included): two configs with the same key
-    warm up to the same parameters."""
+    """A hash of every field the cold start may read (the seed included): two configs with the same key
+    cold-start to the same parameters."""
     fields = {k: v for k, v in flatten(config.to_dict(), sep=".").items() if reads_warmup(k)}
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -144,14 +144,14 @@ def dev_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
 
 
 class Ablation:
-    """The arms x seeds of a grid, their shared warm-ups, and the runs' commands."""
+    """The arms x seeds of a grid, their shared cold starts, and the runs' commands."""
 
     def __init__(self, config_path: str, grid, seeds, out: pathlib.Path, overrides, eval_every: int):
         self.config_path, self.seeds, self.out = config_path, seeds, pathlib.Path(out)
         self.overrides = [f"--config.eval.every_steps={eval_every}", *overrides]
         self.cells = grid_cells(grid)
-        self.used: dict = {}  # (cell, seed) -> the warm-up directory its arm started from
-        self.trained_now = 0  # warm-ups trained by this invocation (a rerun finds the others done)
+        self.used: dict = {}  # (cell, seed) -> the cold start directory its arm started from
+        self.trained_now = 0  # cold starts trained by this invocation (a rerun finds the others done)
 
     def flags(self, cell, seed: int) -> list[str]:
         return [f"--config.seed={seed}", *self.overrides, *[f"--config.{f}={v}" for f, v in cell]]
@@ -177,14 +177,14 @@ class Ablation:
         timed_run(cmd, workdir / "wall_seconds.txt")
 
     def warm_up(self, cell, seed: int, where: pathlib.Path) -> None:
-        """The seed's warm-up for ``cell`` in ``where`` (trained now unless an earlier arm or invocation has it)."""
+        """The seed's cold start for ``cell`` in ``where`` (trained now unless an earlier arm or invocation has it)."""
         if not (where / "warmup_done").exists():
             self.run(self.flags(cell, seed), where, "warmup", f"[warm-up seed {seed}] ")
             (where / "warmup_done").write_text(f"{cell_name(cell)}\n")
             self.trained_now += 1
 
     def warmup_counts(self) -> dict:
-        """``trained``: the warm-ups the arms started from (each trained once); ``reused``: the arm runs that
+        """``trained``: the cold starts the arms started from (each trained once); ``reused``: the arm runs that
         started from one trained for another arm; ``trained_now``: those this invocation trained."""
         arms = len(self.cells) * len(self.seeds)
         trained = len(set(self.used.values()))
@@ -221,14 +221,14 @@ class Ablation:
 
 
 def wall_seconds(workdir: pathlib.Path, missing: float = 0.0) -> float:
-    """The seconds a run (or a warm-up) took, as ``experiments.sweep.timed_run`` records them."""
+    """The seconds a run (or a cold start) took, as ``experiments.sweep.timed_run`` records them."""
     wall = workdir / "wall_seconds.txt"
     return float(wall.read_text()) if wall.exists() else missing
 
 
 def score_matrix(workdirs, stage: str = "after") -> tuple[np.ndarray, list[str]]:
     """``[seeds, queries]`` dev nDCG@10 of the runs ``workdirs`` (the same queries in each) after RL, or with
-    ``stage="before"`` of the warmed-up policy RL started from."""
+    ``stage="before"`` of the cold-started policy RL started from."""
     scores = [task_scores(w / "trajectories" / f"eval_{stage}.jsonl") for w in workdirs]
     ids = sorted(scores[0])
     for w, s in zip(workdirs, scores):
@@ -246,7 +246,7 @@ def report(ablation: Ablation, started: float) -> dict:
         matrices[name], _ = score_matrix(runs)
         summaries = [json.loads((w / "summary.json").read_text()) for w in runs]
         ci = stats.interval(matrices[name])
-        gain = stats.paired(matrices[name], score_matrix(runs, "before")[0])  # RL over the arm's own warm-up
+        gain = stats.paired(matrices[name], score_matrix(runs, "before")[0])  # RL over the arm's own cold start
         arms[name] = {
             "mean": ci.mean,
             "ci95": [ci.low, ci.high],
@@ -348,7 +348,7 @@ def main(argv=None):
         raise SystemExit("give at least one --grid field=values")
     started = time.perf_counter()
     ablation = Ablation(args.config, grid, parse_seeds(args.seeds), pathlib.Path(args.out), overrides, args.eval_every)
-    for seed in ablation.seeds:  # seed by seed: a seed's warm-up is trained once, then its arms run
+    for seed in ablation.seeds:  # seed by seed: a seed's cold start is trained once, then its arms run
         for cell in ablation.cells:
             ablation.arm(cell, seed)
     results = report(ablation, started)

@@ -1,7 +1,7 @@
 """Evaluate: ``python -m experiments.evaluate --config=configs/default.py --checkpoint=workdirs/default --out=DIR``.
 
 Without ``--checkpoint`` the base policy is evaluated (the untrained tiny model, or the HF checkpoint of a
-real config); with ``--stage=warmup`` the run's finished warm-up, the policy RL started from. The dev split is
+real config); with ``--stage=warmup`` the run's finished cold start, the policy RL started from. The dev split is
 the default. ``--split=test --checkpoint=WORKDIR`` is the only way to the test split: read it once per final
 config; each reading appends a line to ``WORKDIR/test_evaluations.jsonl`` and prints how many there have
 been. ``--samples=k`` draws k samples per query (at the rollout temperature) for pass@k and max@k;

@@ -91,7 +91,7 @@ def system_prompt(
 
 
 def render_tool_call(name: str, arguments: dict) -> str:
-    """One call as the warm-up's teacher writes it. Characters outside ASCII are written as they are, as
+    """One call as the cold start's teacher writes it. Characters outside ASCII are written as they are, as
     the checkpoints' templates' ``tojson`` writes them (``ensure_ascii=False``): a question's "α" is copied
     into the call as "α", the tokens the model has just read, not spelt out as the escape "\\u03b1"."""
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)

@@ -235,14 +235,14 @@ class Checkpoints:
         check_finite(params, str(self.reference_path))
         return params
 
-    # -------------------------------------------------------------- warm-up progress
+    # -------------------------------------------------------------- cold start progress
 
     @property
     def warmup_path(self) -> pathlib.Path:
         return self.workdir / "warmup"
 
     def save_warmup(self, params, opt_state, step: int, rng_state: dict, losses: list) -> None:
-        """The supervised warm-up's progress (``<workdir>/warmup``), replaced atomically (refused when a
+        """The supervised cold start's progress (``<workdir>/warmup``), replaced atomically (refused when a
         parameter or a value of its optimizer state is not finite)."""
         check_finite(params, f"{self.warmup_path} at warm-up step {step} (not written)")
         check_finite(opt_state, f"{self.warmup_path} at warm-up step {step} (not written): the optimizer state's")
@@ -259,7 +259,7 @@ class Checkpoints:
         distributed.barrier("warmup-saved")
 
     def restore_warmup(self, like_params, like_opt_state) -> Optional[tuple[Any, Any, dict]]:
-        """``(params, opt_state, progress)`` of a saved warm-up, or ``None``."""
+        """``(params, opt_state, progress)`` of a saved cold start, or ``None``."""
         if not (self.warmup_path / "progress.json").exists():
             return None
         progress = json.loads((self.warmup_path / "progress.json").read_text())

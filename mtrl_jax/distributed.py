@@ -1,7 +1,7 @@
 """Multi-process (multi-host) runs: start-up, each process's share of the work, and the host-side
 exchanges between processes.
 
-Every process (one per host: a GPU node, a TPU VM) runs the same program. The update, the warm-up
+Every process (one per host: a GPU node, a TPU VM) runs the same program. The update, the cold start
 and the log-prob recomputation run on the global ``("data", "fsdp", "tensor")`` mesh over every
 process's devices. Rollouts do not: each process generates its contiguous share of a step's groups
 with its own rollout slots, on a *rollout mesh* of its own devices, with its own tools (or the one

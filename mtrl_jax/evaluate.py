@@ -118,7 +118,7 @@ def run_evaluation(
     split: str = "dev",
 ) -> dict:
     """Evaluate a trained work directory (``checkpoint``: its latest checkpoint, or with ``stage="warmup"``
-    its finished warm-up) or the base policy on the ``split`` tasks ("dev", or "test": see ``evaluate_test``)
+    its finished cold start) or the base policy on the ``split`` tasks ("dev", or "test": see ``evaluate_test``)
     of every dataset of ``config``; writes ``eval.json``, ``eval.md``, one TREC run file per dataset (first
     sample) and, with ``compare``, ``compare.md``."""
     if split not in EVAL_SPLITS:
@@ -308,8 +308,8 @@ def git_commit() -> str:
 
 def trained_policy(config, workdir, stage: str = "rl"):
     """``(components, every parameter of the policy)``: with ``stage="rl"`` workdir's latest checkpoint (the
-    trained policy, adapters included), with ``stage="warmup"`` its finished warm-up (the policy RL started
-    from, whatever checkpoints RL has kept since); ``warmup.restore_policy``, read-only."""
+    trained policy, adapters included), with ``stage="warmup"`` its finished cold start (the policy RL started
+    from, whatever checkpoints RL has kept since); ``coldstart.stage.restore_policy``, read-only."""
     workdir = pathlib.Path(workdir)
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: one of {STAGES}")

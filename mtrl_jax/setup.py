@@ -65,7 +65,7 @@ class RunSettings:
     filter_groups: bool = False  # drop groups whose rewards are all equal (rollout.selection)
     filter_max_extra_groups: int = 0  # with filter_groups: extra groups a step may generate to refill its batch
     truncation: str = "penalty"  # failed episodes: "penalty" (trained with reward -1) or "mask" (no gradient)
-    eval_before_warmup: bool = False  # evaluate the base policy before the warm-up too (summary.json's "base")
+    eval_before_warmup: bool = False  # evaluate the base policy before the cold start too (summary.json's "base")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Components:
     dev_tasks: tuple
     env: Environment
     chat: ChatFormat
-    mesh: Any  # the global mesh: update, warm-up, log-prob recomputation
+    mesh: Any  # the global mesh: update, cold start, log-prob recomputation
     rollout_mesh: Any  # this process's devices (the global mesh itself with one process): rollouts
     model_cfg: ModelConfig
     policy: Policy  # the initial policy: its base (frozen under LoRA adapters; {} without) and trainable parameters
@@ -84,7 +84,7 @@ class Components:
     collector: CollectorConfig
     schedule: TaskSchedule
     run: RunSettings
-    warmup: Optional[ColdStartSettings]  # None: no supervised warm-up (a real checkpoint, or warmup.steps=0)
+    warmup: Optional[ColdStartSettings]  # None: no supervised cold start (a real checkpoint, or warmup.steps=0)
     selector: GroupSelector  # which groups of an RL step train
 
 
@@ -320,7 +320,7 @@ def shortest_prompt(env: Environment, chat: ChatFormat, corpora) -> int:
 
 def check_config(config) -> tuple[UpdateConfig, CollectorConfig, Optional[ColdStartSettings], RunSettings]:
     """Every check a config's own fields allow, with no data, model or file read: ranges, the model fields, the
-    update, the collector, the warm-up and the run (each raises a ``ValueError`` naming its field); returns those
+    update, the collector, the cold start and the run (each raises a ``ValueError`` naming its field); returns those
     settings. The entry points call it before they create anything; ``build`` starts from it."""
     ranges.check(config)
     check_model_fields(config)

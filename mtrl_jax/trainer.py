@@ -120,7 +120,7 @@ class Trainer:
         return metrics
 
     def _begin(self) -> None:
-        """Resume from the newest intact checkpoint, or warm up, evaluate the starting policy and save step 0."""
+        """Resume from the newest intact checkpoint, or cold-start, evaluate the starting policy and save step 0."""
         restored = self.checkpoints.restore(self.state)
         kl = self.c.updater.config.objective.kl_coef
         if restored is not None:
@@ -145,7 +145,7 @@ class Trainer:
 
     def _warm_up(self) -> None:
         """The base policy evaluated first (``eval.before_warmup``; ``base_eval.json``, kept across a restart),
-        then the supervised warm-up, continued from its saved progress; a stop signal during it saves and exits."""
+        then the supervised cold start, continued from its saved progress; a stop signal during it saves and exits."""
         base = self.workdir / "base_eval.json"
         if self.c.run.eval_before_warmup and not base.exists():
             metrics = self.evaluate("base")
@@ -157,18 +157,18 @@ class Trainer:
         if progress.step < self.c.warmup.steps:
             log.warning("stopped: warm-up progress written at step %d of %d", progress.step, self.c.warmup.steps)
             raise SystemExit(self.stop_code or 143)
-        # with warmup.train_base the warmed-up base is frozen and the fresh adapters (B = 0) train in RL
+        # with warmup.train_base the cold-started base is frozen and the fresh adapters (B = 0) train in RL
         self.base, trainable = rl_policy(self.c, progress.params)
         self.state = self.c.updater.init_state(trainable, self.state.rng)
         self.publish(trainable, 0)
 
     def _start_compiles(self):
-        """The update and every sampler shape compiled in the background while the warm-up and first evaluation run."""
+        """The update and every sampler shape compiled ahead, in the background, during the cold start."""
         run, kl = self.c.run, bool(self.c.updater.config.objective.kl_coef)
         if jax.process_count() != 1 or run.total_steps == 0:
             return None
         rows = run.global_batch_size * run.group_size
-        self.c.updater.warm(self.state, rows, run.batch_length, run.group_size, kl, self.base)
+        self.c.updater.compile_ahead(self.state, rows, run.batch_length, run.group_size, kl, self.base)
         if not self.collector.config.precompile:
             return None
         # the evaluation's shapes first: it runs first
@@ -256,8 +256,8 @@ class Trainer:
 
 
 def train_and_evaluate(config, workdir: os.PathLike, stage: str = "all") -> dict:
-    """The run of ``config`` in ``workdir``: the warm-up, RL and the evaluations (``stage="all"``), or the
-    warm-up alone (``stage="warmup"``: what ``experiments.ablate`` shares between the arms of a seed; a run
+    """The run of ``config`` in ``workdir``: the cold start, RL and the evaluations (``stage="all"``), or the
+    cold start alone (``stage="warmup"``: what ``experiments.ablate`` shares between the arms of a seed; a run
     of the same config in a work directory holding a copy of its ``warmup/`` and ``tokenizer.json`` then
     starts RL from it, with the parameters a run that warmed up itself would have)."""
     workdir = pathlib.Path(workdir)

@@ -129,3 +129,49 @@ def test_the_layer_check_sees_an_upward_import():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# The house's size rules (issue 70): a newcomer can hold a module, a function and its parameter list.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 400, 80, 10
+EXEMPT_MODULES = {"mtrl_jax/model/transformer.py"}  # the model's transformer
+EXEMPT_FUNCTIONS = {("mtrl_jax/model/transformer.py", "__call__")}  # the model's forward
+
+
+def _parameters(node: ast.FunctionDef) -> int:
+    a = node.args
+    count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+    return count - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+
+
+def size_violations(package: pathlib.Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package.parent).as_posix()
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES and name not in EXEMPT_MODULES:
+            found.append(f"{name}: {len(text.splitlines())} lines > {MAX_MODULE_LINES}")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES and (name, node.name) not in EXEMPT_FUNCTIONS:
+                found.append(f"{name}:{node.lineno} {node.name}: {lines} lines > {MAX_FUNCTION_LINES}")
+            if _parameters(node) > MAX_PARAMETERS:
+                found.append(f"{name}:{node.lineno} {node.name}: {_parameters(node)} parameters > {MAX_PARAMETERS}")
+    return found
+
+
+def test_modules_functions_and_parameter_lists_stay_small():
+    assert not size_violations(), "\n".join(size_violations())
+
+
+def test_the_size_check_sees_a_long_module_and_a_long_parameter_list(tmp_path):
+    package = tmp_path / "mtrl_jax"
+    package.mkdir()
+    (package / "big.py").write_text("x = 1\n" * 401 + "def f(a, b, c, d, e, f, g, h, i, j, k):\n    return a\n")
+    assert [v.split(":")[0] for v in size_violations(package)] == ["mtrl_jax/big.py", "mtrl_jax/big.py"]
+
+
+def test_nothing_assigns_the_updaters_frozen_tree():
+    hits = [p for p in PACKAGE.rglob("*.py") if "updater.frozen =" in p.read_text()]
+    assert not hits, hits

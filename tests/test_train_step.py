@@ -223,13 +223,13 @@ def test_warm_compiles_the_update_in_the_background():
     )
     state = updater.init_state(params, jax.random.PRNGKey(0))
     batch = _batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
-    updater.warm(state, 8, 10, 2, with_reference=True).join()
+    updater.compile_ahead(state, 8, 10, 2, with_reference=True).join()
     mark = CompileCounter.mark()
     new_state, metrics = updater.update(state, batch, params)
     jax.block_until_ready(metrics)
     assert CompileCounter.since(mark)["compile/programs"] == 0  # the program was ready
     assert int(metrics["skipped_steps"]) == 0 and int(new_state.step) == 1
-    # warm() compiled ahead of time and ran nothing; the program gives what the plain jitted update gives
+    # compile_ahead() compiled ahead of time and ran nothing; the program gives what the plain jitted update gives
     plain = Updater(updater.model_cfg, updater.config, updater.tx)
     want, _ = plain.update(plain.init_state(params, jax.random.PRNGKey(0)), batch, params)
     jax.tree.map(
@@ -353,3 +353,21 @@ def test_micro_batches_of_all_equal_groups_are_skipped_and_change_nothing():
     assert m_skip["real_token_fraction"] <= 1.0
     _, m_kl = update(True, kl=0.1)  # a KL term has a gradient on every row
     assert m_kl["computed_rows_frac"] == 1.0
+
+
+def test_a_program_compiled_ahead_that_rejects_its_arguments_is_logged_and_jit_runs(caplog):
+    from mtrl_jax.compile_ahead import Programs
+
+    programs = Programs("update")
+    programs.compile("f32", lambda: jax.jit(lambda x: x * 2).lower(np.ones(3, np.float32)))
+    assert "f32" in programs
+    jitted = jax.jit(lambda x: x * 2)
+    np.testing.assert_array_equal(programs.run("f32", jitted, (np.ones(3, np.float32),)), [2, 2, 2])
+    assert not caplog.text  # the compiled program served the call
+    with caplog.at_level("WARNING", logger="mtrl_jax"):
+        out = programs.run("f32", jitted, (np.ones(4, np.float32),))  # another shape: rejected before it runs
+    np.testing.assert_array_equal(out, [2, 2, 2, 2])
+    assert "update: the program compiled ahead for f32 was not used" in caplog.text and "f32" not in programs
+    thread = programs.compile_in_background("i32", lambda: jax.jit(lambda x: x + 1).lower(np.ones(2, np.int32)), "t")
+    np.testing.assert_array_equal(programs.run("i32", jitted, (np.ones(2, np.int32),)), [2, 2])  # waits for it
+    assert not thread.is_alive()

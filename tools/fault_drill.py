@@ -126,7 +126,7 @@ def restorable_steps(workdir: pathlib.Path) -> list[int]:
 
 
 def finite_everywhere(workdir: pathlib.Path) -> bool:
-    """Every float array of every checkpoint, the KL reference and the warm-up state is finite."""
+    """Every float array of every checkpoint, the KL reference and the cold start state is finite."""
     import numpy as np
     import orbax.checkpoint as ocp
 

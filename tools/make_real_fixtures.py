@@ -14,7 +14,7 @@ For every model found under ``--models`` this writes ``tests/fixtures/real/<mode
   tool responses, the answer) as messages, and the token ids ``apply_chat_template(messages, tools=...)``
   gives. The test replays those very messages through the episode driver (``replay_episode``), so it
   depends on no collection's text;
-- a warm-up demonstration (``teacher_demonstration``: the scripted teacher of ``mtrl_jax/coldstart/teacher.py``, a
+- a cold start demonstration (``teacher_demonstration``: the scripted teacher of ``mtrl_jax/coldstart/teacher.py``, a
   second search on a result's title, an answer of the ids shown, on a synthetic collection) as messages,
   and the ids ``apply_chat_template`` gives them: the test builds the demonstration again and compares.
 Torch and transformers are needed here only; the tests run without them. The definitions the tests
@@ -96,7 +96,7 @@ def scripted_episode(env, chat) -> EpisodeRun:
 
 
 def teacher_demonstration(env, chat) -> EpisodeRun:
-    """A warm-up demonstration as ``warmup.demonstrations`` makes one: the scripted teacher (BM25 with 3
+    """A cold-start demonstration as ``coldstart.demonstrations`` makes one: the scripted teacher (BM25 with 3
     results, a forced second search on a result's title, an answer of the ids shown) run through the
     episode driver with the checkpoint's chat template. Seeded, and BM25 only: the same on every machine."""
     from mtrl_jax.coldstart.demonstrations import demonstration_run

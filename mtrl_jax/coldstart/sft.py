@@ -47,7 +47,7 @@ def _pack(demos, length_multiple: int = 8):
 
 @dataclasses.dataclass
 class WarmupProgress:
-    """Where a supervised warm-up stands: enough to continue it exactly (``step`` of ``steps`` done)."""
+    """Where a supervised cold start stands: enough to continue it exactly (``step`` of ``steps`` done)."""
 
     params: Any
     opt_state: Any
@@ -57,7 +57,7 @@ class WarmupProgress:
 
 
 def step_view(i: int, full_every: int, two_turn_every: int) -> str:
-    """Which view of the demonstrations warm-up step ``i`` (0-based) trains on: ``"full"`` (whole
+    """Which view of the demonstrations cold start step ``i`` (0-based) trains on: ``"full"`` (whole
     ones, one step in ``full_every``), ``"two"`` (cut after their second turn, one of the other steps
     in ``two_turn_every``; 0: never) or ``"first"`` (cut after their first turn)."""
     if (i + 1) % full_every == 0:
@@ -94,7 +94,7 @@ def warmup_step(
     columns_only: bool = False,
     micro_batches: int = 1,
 ):
-    """The jitted warm-up step ``(params, opt_state, frozen, tokens, attention, loss_mask) -> (params,
+    """The jitted cold start step ``(params, opt_state, frozen, tokens, attention, loss_mask) -> (params,
     opt_state, loss, finite)``: mean cross-entropy on the loss-mask tokens, trained on ``params`` (the trainable
     parameters; ``frozen`` the rest of the model, ``lora.split``). With a non-empty ``shared`` prefix the
     rows are what follows it, and it is computed once (``shared_prefix_logprobs``). The optimizer state is

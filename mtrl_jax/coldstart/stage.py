@@ -45,7 +45,7 @@ def warm_up(
 
 
 def warmup_model(components) -> tuple[ModelConfig, dict]:
-    """``(model config, frozen parameters)`` of the warm-up: those of RL (the LoRA adapters train over the
+    """``(model config, frozen parameters)`` of the cold start: those of RL (the LoRA adapters train over the
     frozen base, or every parameter), or with ``warmup.train_base`` the base model alone, all of it trained."""
     if components.warmup.train_base:
         return components.model_cfg.replace(lora_rank=0), {}
@@ -53,14 +53,14 @@ def warmup_model(components) -> tuple[ModelConfig, dict]:
 
 
 def warmed_parameters(components, trainable):
-    """What the warm-up trains: RL's ``trainable`` parameters, or with ``warmup.train_base`` the base."""
+    """What the cold start trains: RL's ``trainable`` parameters, or with ``warmup.train_base`` the base."""
     return components.policy.base if components.warmup.train_base else trainable
 
 
 def rl_policy(components, warmed) -> Policy:
-    """The policy RL starts from, given what the finished warm-up trained (``warmed``): RL's trainable
+    """The policy RL starts from, given what the finished cold start trained (``warmed``): RL's trainable
     parameters over the initial base, or with ``warmup.train_base`` the initial (fresh) adapters over the
-    warmed-up base."""
+    cold-started base."""
     if components.warmup is not None and components.warmup.train_base:
         return Policy(warmed, components.policy.trainable)
     return Policy(components.policy.base, warmed)
@@ -69,7 +69,7 @@ def rl_policy(components, warmed) -> Policy:
 def resume_or_warm_up(
     components, checkpoints, params, log=print, should_stop: Optional[Callable[[], bool]] = None
 ) -> WarmupProgress:
-    """The warm-up of ``params`` (RL's trainable parameters; the base with ``warmup.train_base``), continued
+    """The cold start of ``params`` (RL's trainable parameters; the base with ``warmup.train_base``), continued
     from the progress saved in the work directory (``checkpoints.restore_warmup``), its progress saved again
     at the end or when ``should_stop()`` turned true (then ``step < steps``: the caller stops, and the next
     run continues it exactly)."""
@@ -88,14 +88,14 @@ def resume_or_warm_up(
     return progress
 
 
-STAGES = ("rl", "warmup")  # what restore_policy reads: RL's latest checkpoint, or the finished warm-up
+STAGES = ("rl", "warmup")  # what restore_policy reads: RL's latest checkpoint, or the finished cold start
 
 
 def restore_policy(components, checkpoints, stage: str) -> Policy:
     """The policy a work directory (``checkpoints``) holds, read-only (no checkpoint is moved): with
-    ``stage="warmup"`` the one RL started from (its finished warm-up); with ``stage="rl"`` RL's latest
+    ``stage="warmup"`` the one RL started from (its finished cold start); with ``stage="rl"`` RL's latest
     checkpoint, its trainable parameters over the base RL trained over (with ``warmup.train_base``, the one the
-    warm-up trained). A resumed run takes its base from here, and the evaluation and the export the whole of it."""
+    cold start trained). A resumed run takes its base from here, and the evaluation and the export the whole of it."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: one of {STAGES}")
     train_base = components.warmup is not None and components.warmup.train_base
@@ -114,8 +114,8 @@ def restore_policy(components, checkpoints, stage: str) -> Policy:
 
 
 def restore_finished_warmup(components, checkpoints, why: str):
-    """What the work directory's finished warm-up trained (``warmed_parameters``); a ``CheckpointError`` that
-    names the directory (``why`` opens its reason) when the warm-up checkpoint is missing or unfinished."""
+    """What the work directory's finished cold start trained (``warmed_parameters``); a ``CheckpointError`` that
+    names the directory (``why`` opens its reason) when the cold start checkpoint is missing or unfinished."""
     cfg = components.warmup
     like = warmed_parameters(components, components.policy.trainable)
     like_opt = jax.eval_shape(warmup_optimizer(cfg.steps, cfg.learning_rate).init, like)

@@ -24,7 +24,7 @@ class NonFiniteGuard:
     """Counts the steps in a row whose update skipped an optimizer step (non-finite loss, gradient or updated
     parameters) and stops the run at ``limit`` (``rl.max_nonfinite_steps``) with a ``FloatingPointError``.
 
-    ``stage`` opens its messages ("RL", "warm-up"), ``unit`` counts the steps ("RL steps": an RL step holds
+    ``stage`` opens its messages ("RL", "cold start"), ``unit`` counts the steps ("RL steps": an RL step holds
     several optimizer steps) and ``remedy`` ends the error (what holds the last good parameters, or what to check).
     """
 

@@ -1,5 +1,5 @@
 """The train state and the RL optimizer: AdamW with a global-norm clip and a learning-rate schedule (a linear
-ramp of ``optim.warmup_steps``, then constant, linear or cosine)."""
+ramp of ``optim.warmup_steps`` steps (the learning-rate ramp), then constant, linear or cosine)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def make_optimizer(
     learning_rate: float,
     total_steps: int,
     schedule: str = "constant",
-    warmup_steps: int = 0,
+    ramp_steps: int = 0,
     grad_clip: float = 1.0,
     weight_decay: float = 0.0,
     b1: float = 0.9,
@@ -31,17 +31,17 @@ def make_optimizer(
         lr = (
             optax.join_schedules(
                 [
-                    optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+                    optax.linear_schedule(0.0, learning_rate, max(ramp_steps, 1)),
                     optax.constant_schedule(learning_rate),
                 ],
-                [max(warmup_steps, 1)],
+                [max(ramp_steps, 1)],
             )
-            if warmup_steps
+            if ramp_steps
             else learning_rate
         )
     elif schedule == "cosine":
         lr = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+            0.0, learning_rate, max(ramp_steps, 1), max(total_steps, ramp_steps + 1)
         )
     else:
         raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {schedule!r}")

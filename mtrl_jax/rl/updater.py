@@ -43,7 +43,7 @@ class Updater:
             )
 
         self._update = jax.jit(step_fn, donate_argnames=("opt_state",))
-        self._programs = Programs("update")  # signature -> the program warm() compiled ahead of time
+        self._programs = Programs("update")  # signature -> the program compile_ahead() compiled ahead of time
 
     @staticmethod
     def _signature(batch: TrajectoryBatch, ref_params) -> tuple:
@@ -63,11 +63,11 @@ class Updater:
         with activate(self.mesh):
             return self._update.lower(*state, batch, ref_params, {} if base is None else base)
 
-    def warm(
+    def compile_ahead(
         self, state: TrainState, rows: int, length: int, group_size: int, with_reference: bool, base=None
     ) -> threading.Thread:
         """Compile the update for ``[rows, length]`` batches ahead of time in a background thread, so
-        the first real update finds its program ready. The trainer starts this before the warm-up and
+        the first real update finds its program ready. The trainer starts this before the cold start and
         the first evaluation, which leave a core idle. Only compiled, never run: running it would hold
         a second train state and the update's buffers while the evaluation holds its KV cache."""
         empty = TrajectoryBatch(
@@ -91,5 +91,5 @@ class Updater:
         parameters that do not train, which the forward pass sees (``{}`` without adapters).
         ``state.opt_state`` is donated: use the returned state's; ``state.params`` stay valid."""
         args = (*state, place_batch(batch, self.mesh), ref_params, {} if base is None else base)
-        with activate(self.mesh):  # the program warm() compiled (waiting for it if it is compiling), or jit's
+        with activate(self.mesh):  # the program compile_ahead() compiled (waiting for it if it is compiling), or jit's
             return self._programs.run(self._signature(batch, ref_params), self._update, args)

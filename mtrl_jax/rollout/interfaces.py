@@ -12,7 +12,7 @@ Failures of the *model* (bad JSON, unknown tool, wrong arguments) are never exce
 back as tool error messages and are counted in ``episode.counters``.
 
 ``EpisodeDriver`` is the one place where an episode becomes a token-level ``Trajectory``: the
-collector drives it with sampled turns, the warm-up with a scripted teacher's (``run_scripted``).
+collector drives it with sampled turns, the cold start with a scripted teacher's (``run_scripted``).
 """
 
 from __future__ import annotations
