@@ -54,16 +54,22 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every checkpoint step at INFO
     logging.getLogger("mtrl_jax").setLevel(logging.INFO)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s", level=logging.WARNING)
-    from mtrl_jax.setup import check_config
+    from mtrl_jax.setup import build_data, check_config
 
-    try:  # a bad field is said in one line, before the work directory (or anything else) is created
+    # a bad field or a bad data file is said in one line, before the work directory (or anything else) exists
+    try:
         check_config(_CONFIG.value)
     except ValueError as e:
         logging.getLogger("mtrl_jax").error("stopped: the config: %s", e)
         sys.exit(2)
+    try:
+        data = build_data(_CONFIG.value)
+    except (ValueError, OSError) as e:
+        logging.getLogger("mtrl_jax").error("stopped: the data: %s", e)
+        sys.exit(2)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
     try:
-        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _STAGE.value)
+        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _STAGE.value, data=data)
     except Exception as e:  # noqa: BLE001 - a known cause is said in one line; anything else keeps its traceback
         cause = stopping_cause(e)
         if cause is None:

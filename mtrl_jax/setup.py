@@ -333,12 +333,13 @@ def check_config(config) -> tuple[UpdateConfig, CollectorConfig, Optional[ColdSt
     )
 
 
-def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True) -> Components:
-    """Every component of a run of ``config`` whose files live in ``workdir``."""
+def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True, data=None) -> Components:
+    """Every component of a run of ``config`` whose files live in ``workdir``; ``data``: ``build_data(config)``
+    when the caller has it already."""
     workdir = pathlib.Path(workdir)
     update_cfg, collector_cfg, warmup, run = check_config(config)  # cheap checks first: before any data is loaded
     use_compilation_cache(config)
-    collections, train_tasks, dev_tasks = build_data(config)
+    collections, train_tasks, dev_tasks = build_data(config) if data is None else data
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)

@@ -255,15 +255,16 @@ class Trainer:
         self.checkpoints.close()
 
 
-def train_and_evaluate(config, workdir: os.PathLike, stage: str = "all") -> dict:
+def train_and_evaluate(config, workdir: os.PathLike, stage: str = "all", data=None) -> dict:
     """The run of ``config`` in ``workdir``: the cold start, RL and the evaluations (``stage="all"``), or the
     cold start alone (``stage="warmup"``: what ``experiments.ablate`` shares between the arms of a seed; a run
     of the same config in a work directory holding a copy of its ``warmup/`` and ``tokenizer.json`` then
-    starts RL from it, with the parameters a run that warmed up itself would have)."""
+    starts RL from it, with the parameters a run that warmed up itself would have). ``data``: what
+    ``setup.build_data(config)`` returned, when the caller loaded it (before creating the work directory)."""
     workdir = pathlib.Path(workdir)
     with WorkdirLock(workdir):  # before anything is written there
         check_run_config(workdir, config)
-        trainer = Trainer(build(config, workdir), workdir)
+        trainer = Trainer(build(config, workdir, data=data), workdir)
         try:
             with stop_signals(trainer.request_stop):
                 if stage == "warmup":

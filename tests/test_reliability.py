@@ -1015,6 +1015,26 @@ def test_a_bad_config_value_is_one_line_and_creates_nothing(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.slow
+def test_a_bad_data_file_is_one_line_and_creates_nothing(tmp_path):
+    """Issue 71, item 16: data errors came after the work directory's lock and config.json were written."""
+    folder = tmp_path / "mini"
+    folder.mkdir()
+    (folder / "corpus.jsonl").write_text('{"_id": "d1", "title": "t", "text": "a pump"}\n')
+    (folder / "queries.jsonl").write_text('{"_id": "q1", "text": "pump"}\n{"_id": "q2", "text": \n')
+    (folder / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    for folders, said in ((folder, f"{folder / 'queries.jsonl'}:2"), (tmp_path / "absent", "not found")):
+        workdir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "experiments.run", f"--workdir={workdir}", "--config.data.synthetic=False"]
+        result = subprocess.run(
+            cmd + [f"--config.data.folders={folders}"], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert "stopped: the data: " in last and said in last, last
+        assert not workdir.exists()
+
+
 def _raw_reply(port: int, request: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request)

@@ -452,10 +452,10 @@ def kills_during_saves(out: pathlib.Path):
     return ok, f"{kills} SIGKILLs mid-save, then resumed: metrics steps {steps}, restorable checkpoints {good}"
 
 
-def second_run_on_a_held_workdir(workdir: pathlib.Path, delete_first: bool = False):
+def second_run_on_a_held_workdir(workdir: pathlib.Path, delete_first: bool = False, spelled=None):
     """Start a long run on ``workdir``; once it holds the lock (and, with ``delete_first``, after an ``rm -rf``
-    of the directory under it) start a second run there: ``(exit code, output, seconds, first run's pid)``
-    of the second."""
+    of the directory under it) start a second run there, or on ``spelled`` (another spelling of the same path):
+    ``(exit code, output, seconds, first run's pid)`` of the second."""
     shutil.rmtree(workdir, ignore_errors=True)
     first = train(workdir, "--config.warmup.steps=3000", wait=False)
     try:
@@ -464,7 +464,7 @@ def second_run_on_a_held_workdir(workdir: pathlib.Path, delete_first: bool = Fal
         if delete_first:
             shutil.rmtree(workdir)  # rm -rf under the live run
         start = time.perf_counter()
-        code, output = train(workdir)
+        code, output = train(spelled or workdir)
         return code, output, time.perf_counter() - start, first.pid
     finally:
         first.kill()
@@ -648,6 +648,115 @@ def missing_collection(out: pathlib.Path):
     return ok, f"refused at start-up in {seconds:.0f} s (exit {code}): {last_line(output)[-90:]}"
 
 
+@scenario("third round 1: the lock under another spelling")
+def lock_by_another_spelling(out: pathlib.Path):
+    """A run on WD, ``rm -rf WD``, then a second run on ``LINK/WD`` (LINK a link to WD's parent) or on
+    ``WD/../x/../WD``: the lock was keyed by the spelling, and both runs wrote one metrics.jsonl."""
+    parent = out / "spelling"
+    parent.mkdir(parents=True, exist_ok=True)
+    link = out / "spelling_link"
+    if not link.is_symlink():
+        link.symlink_to(parent, target_is_directory=True)
+    said = []
+    for spelled in (link / "wd", parent / "wd" / ".." / "x" / ".." / "wd"):
+        code, output, seconds, pid = second_run_on_a_held_workdir(parent / "wd", delete_first=True, spelled=spelled)
+        if not (code != 0 and f"in use by pid {pid}" in output):
+            return False, f"{spelled}: exit {code}: {last_line(output)}"
+        said.append(f"{spelled.relative_to(out)} refused in {seconds:.1f} s")
+    return True, "; ".join(said)
+
+
+def serve_tools(*flags: str) -> tuple[subprocess.Popen, str]:
+    """``tools.serve_tools`` as a user starts it, on a free port, once it answers ``/health``."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tools.serve_tools", "--synthetic", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"tools.serve_tools {' '.join(flags)} did not answer /health in 300 s")
+
+
+@scenario("third round 2: a server with other documents")
+def other_documents_server(out: pathlib.Path):
+    """``serve_tools --synthetic`` (seed 0) against a run of ``data.synthetic_seed=1``: the same collection name,
+    other documents; the run used to warm up on what it found and exit 0."""
+    server, url = serve_tools()
+    try:
+        start = time.perf_counter()
+        code, output = train(
+            out / "other_documents", "--config.data.synthetic_seed=1", f"--config.search.remote_url={url}"
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        server.kill()
+        server.wait()
+    ok = code != 0 and "the collection 'synthetic' there is not the run's" in output
+    return ok, f"refused at start-up in {seconds:.0f} s (exit {code}): {last_line(output)[-100:]}"
+
+
+@scenario("third round 3: a server refusing every search")
+def refusing_server(out: pathlib.Path):
+    """``serve_tools --max-request-bytes 40``: every search gets HTTP 413. It used to count as the model's bad
+    arguments and a success of the service; the run trained on error replies and exited 0."""
+    server, url = serve_tools("--max-request-bytes", "40")
+    try:
+        workdir = out / "refusing_server"
+        shutil.rmtree(workdir, ignore_errors=True)
+        start = time.perf_counter()
+        code, output = train(workdir, f"--config.search.remote_url={url}", "--config.search.remote_deadline_s=2")
+        seconds = time.perf_counter() - start
+    finally:
+        server.kill()
+        server.wait()
+    ok = code != 0 and "stopped: ServiceDown" in output and "HTTP 413" in output
+    return ok, f"exit {code} after {seconds:.0f} s: {last_line(output)[-100:]}"
+
+
+# experiments.run whose restore of the newest checkpoint meets an I/O error (a disk hiccup, not damage)
+FLAKY_RESTORE = (
+    "import errno, runpy, sys; import orbax.checkpoint as ocp; real = ocp.CheckpointManager.restore\n"
+    "def flaky(self, step, *a, **k):\n"
+    "    if step == self.latest_step(): raise OSError(errno.EIO, 'Input/output error')\n"
+    "    return real(self, step, *a, **k)\n"
+    "ocp.CheckpointManager.restore = flaky\n"
+    "sys.argv = ['experiments.run'] + sys.argv[1:]; runpy.run_module('experiments.run', run_name='__main__')"
+)
+
+
+@scenario("third round 9: an I/O error during restore")
+def transient_restore_error(out: pathlib.Path):
+    """An I/O error while restoring the newest checkpoint used to mark it damaged and move it aside, and the run
+    resumed from an older step with a warning."""
+    workdir = out / "restore_io_error"
+    shutil.rmtree(workdir, ignore_errors=True)
+    code, _ = train(workdir, "--config.max_steps=2")
+    assert code == 0, "the first run failed"
+    cmd = [sys.executable, "-c", FLAKY_RESTORE, "--config=configs/default.py", f"--workdir={workdir}", *SMALL]
+    flaky = subprocess.run(cmd + ["--config.max_steps=3"], cwd=REPO, env=_env(), capture_output=True, text=True)
+    output = flaky.stdout + flaky.stderr
+    stopped = flaky.returncode != 0 and "could not be read (OSError" in last_line(output)
+    kept = (workdir / "checkpoints" / "2").is_dir() and not (workdir / "damaged").exists()
+    code, _ = train(workdir, "--config.max_steps=3")  # the disk is back
+    steps = metric_steps(workdir)
+    ok = stopped and kept and code == 0 and steps == [1, 2, 3]
+    return ok, (
+        f"stopped in one line (exit {flaky.returncode}): {stopped}; step 2 left in place: {kept}; "
+        f"rerun: exit {code}, metrics steps {steps}"
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="workdirs/fault_drill")
@@ -660,6 +769,7 @@ def main(argv=None):
     fast += [bad_data]
     slow = [kills_during_saves, concurrent_runs, disk_full, greedy_rollouts, damaged_resume, nonfinite_rates]
     slow += [lock_after_delete, ctrl_c, failing_service, missing_collection]
+    slow += [lock_by_another_spelling, other_documents_server, refusing_server, transient_restore_error]
     chosen = fast + ([] if args.quick else slow)
     if args.only:
         names = {fn.__name__: fn for fn in fast + slow}
