@@ -124,9 +124,85 @@ def tune_allocator() -> dict:
 
 def prepare_process() -> dict:
     """What an entry point calls first, before jax is imported: restart once with the huge-page tunable
-    (``reexec_with_tunables``), then set the thresholds (``tune_allocator``); returns what was set."""
+    (``reexec_with_tunables``), set the thresholds (``tune_allocator``), give several CPU devices' collectives
+    time to meet (``cpu_collective_timeouts``) and keep XLA's slow-compile banner out of the log
+    (``quiet_slow_compile_banner``); returns what the allocator got."""
     reexec_with_tunables()
+    cpu_collective_timeouts()
+    quiet_slow_compile_banner()
     return tune_allocator()
+
+
+# XLA:CPU aborts a collective whose participants arrive more than 40 s apart. With several CPU devices on a few
+# cores (--xla_force_host_platform_device_count=8 on 2 cores: 8 device threads share 2 cores) one device's part of
+# a large program can lag the others by more than that, and the process aborts (the default's cold start on a
+# (2,2,2) mesh did, every time). The flags exist from jaxlib 0.10; an older jaxlib refuses unknown flags.
+CPU_COLLECTIVE_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600",
+)
+
+
+def cpu_collective_timeouts() -> bool:
+    """Add ``CPU_COLLECTIVE_FLAGS`` to ``XLA_FLAGS`` when it asks for several host-platform (CPU) devices and sets
+    neither itself; returns whether it did. Call it before jax's backend starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    devices = [f for f in flags.split() if f.startswith("--xla_force_host_platform_device_count=")]
+    if not devices or int(devices[-1].split("=", 1)[1] or 1) < 2 or "xla_cpu_collective_call" in flags:
+        return False
+    try:
+        import importlib.metadata
+
+        major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return False
+    if (major, minor) < (0, 10):
+        return False
+    os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_COLLECTIVE_FLAGS]).strip()
+    return True
+
+
+# XLA logs this block when a compile passes 2 minutes; on 2 cores the cold start's step takes about that long,
+# and the block reads as an error. The log says what is compiling instead (mtrl_jax.coldstart.sft).
+SLOW_COMPILE_BANNER = rb"[^\n]*slow_operation_alarm[^\n]*\n\*+\n[^\n]*Very slow compile\?[^\n]*\n\*+\n"
+BANNER_ENV = "MTRL_JAX_XLA_BANNER"  # "show": leave XLA's slow-compile banner in the log
+# the filter: a separate process, so that what the run writes just before it dies (an abort) still comes out
+_FILTER = (
+    "import os, re, sys\n"
+    "banner = re.compile(sys.argv[1].encode('latin-1'))\n"
+    "while chunk := os.read(0, 65536):\n"
+    "    chunk = banner.sub(b'', chunk)\n"
+    "    while chunk:\n"
+    "        chunk = chunk[os.write(1, chunk):]\n"
+)
+
+
+def quiet_slow_compile_banner() -> bool:
+    """Route this process's stderr (file descriptor 2, which XLA's C++ logging writes to) through a small child
+    process that drops XLA's "Very slow compile?" block and passes every other byte on at once (progress bars
+    included). Writes of under 4 KiB to a pipe are atomic, so the block arrives whole. It ends when the last
+    holder of the pipe (the run, and any child that inherited its stderr) exits. Off with
+    ``MTRL_JAX_XLA_BANNER=show``; returns whether it started one."""
+    if os.environ.get(BANNER_ENV) == "show":
+        return False
+    import subprocess
+
+    sys.stderr.flush()
+    read, write = os.pipe()
+    original = os.dup(2)
+    subprocess.Popen(
+        [sys.executable, "-c", _FILTER, SLOW_COMPILE_BANNER.decode("latin-1")],
+        stdin=read,
+        stdout=original,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+        start_new_session=True,  # a Ctrl-C to the run's group does not stop the filter before the run's last words
+    )
+    for fd in (read, original):
+        os.close(fd)
+    os.dup2(write, 2)
+    os.close(write)
+    return True
 
 
 @contextlib.contextmanager

@@ -147,3 +147,43 @@ def test_with_the_tunable_a_large_temporary_buffer_faults_in_by_huge_pages():
     _, small = _faults(0)
     if small < 0.5 * pages:
         pytest.skip(f"XLA reused this program's buffer without huge pages too ({small} faults per call)")
+
+
+_BANNER_RUN = """
+import os, sys
+import mtrl_jax.host as h
+h.prepare_process()
+os.write(2, b"before\\n")
+os.write(2, b"E1207 12:00:00.000000  1 slow_operation_alarm.cc:73] \\n********************************\\n"
+            b"[Compiling module jit_step] Very slow compile?  If you want to file a bug, run with envvar "
+            b"XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the results.\\n********************************\\n")
+os.write(2, b"bar 1\\rbar 2\\r")
+os.write(2, b"last words\\n")
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("banner", ["", "show"])
+def test_xlas_slow_compile_banner_stays_out_of_the_log_and_nothing_else_is_lost(banner):
+    """Issue 71, item 18: XLA's "Very slow compile?" block (a 2-minute compile of the cold start's step on 2 cores)
+    reached the user as an error block. What is written just before the process aborts still comes out."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BANNER_RUN], env=_env(MTRL_JAX_XLA_BANNER=banner), capture_output=True, check=False
+    )
+    assert done.returncode != 0  # the abort
+    assert b"before\n" in done.stderr and b"bar 1\rbar 2\rlast words\n" in done.stderr, done.stderr
+    assert (b"Very slow compile?" in done.stderr) == (banner == "show"), done.stderr
+
+
+def test_several_cpu_devices_get_time_for_their_collectives(monkeypatch):
+    """Issue 71, item 0: on a (2,2,2) mesh of 8 CPU devices on 2 cores, the default's cold-start step aborted in
+    XLA's collective rendezvous (participants more than 40 s apart). Entry points raise that timeout."""
+    import mtrl_jax.host as h
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert h.cpu_collective_timeouts()
+    assert os.environ["XLA_FLAGS"].split()[1:] == list(h.CPU_COLLECTIVE_FLAGS)
+    assert not h.cpu_collective_timeouts()  # set once; a user's own setting is left alone
+    for flags in ("", "--xla_force_host_platform_device_count=1"):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert not h.cpu_collective_timeouts() and os.environ["XLA_FLAGS"] == flags

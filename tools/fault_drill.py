@@ -746,7 +746,8 @@ def transient_restore_error(out: pathlib.Path):
     cmd = [sys.executable, "-c", FLAKY_RESTORE, "--config=configs/default.py", f"--workdir={workdir}", *SMALL]
     flaky = subprocess.run(cmd + ["--config.max_steps=3"], cwd=REPO, env=_env(), capture_output=True, text=True)
     output = flaky.stdout + flaky.stderr
-    stopped = flaky.returncode != 0 and "could not be read (OSError" in last_line(output)
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    stopped = flaky.returncode != 0 and "could not be read (OSError" in last and "no checkpoint was set aside" in last
     kept = (workdir / "checkpoints" / "2").is_dir() and not (workdir / "damaged").exists()
     code, _ = train(workdir, "--config.max_steps=3")  # the disk is back
     steps = metric_steps(workdir)

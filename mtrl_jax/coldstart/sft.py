@@ -231,6 +231,8 @@ def supervised_warmup(
     else:
         params, opt_state, start, losses = resume.params, resume.opt_state, resume.step, list(resume.losses)
         rng.bit_generator.state = resume.rng_state
+    if log and start < s.steps:  # XLA compiles each view's program at its first step (minutes on a 2-core CPU)
+        log("warm-up: compiling its step (one program per view and length group, at its first use)")
     remedy = f"Nothing of them was saved. Check warmup.learning_rate={s.learning_rate}"
     guard = NonFiniteGuard(s.max_nonfinite_steps, "warm-up", "steps", remedy)
     for i in range(start, s.steps):
