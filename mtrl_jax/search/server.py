@@ -1,39 +1,52 @@
-"""An HTTP JSON endpoint serving the search tools of one or more collections.
+"""An HTTP JSON endpoint serving the search tools of one or more collections, on aiohttp.
 
 ``POST /{collection}/search`` with ``{"tool": name, "query": str, "top_k": int}`` returns
 ``{"results": [{"doc_id", "score", "title", "text"}, ...]}``; ``GET /{collection}/tools`` returns
-the tool schemas; ``GET /health`` returns ``{"ok": true}``. Requests over ``max_request_bytes``
-get 413, malformed ones (headers included, and JSON nested too deep to parse) 400 with a reason.
+the tool schemas and the index's description; ``GET /health`` returns ``{"ok": true}``. Requests over
+``max_request_bytes`` get 413, malformed ones (headers included, and JSON nested too deep to parse) 400 with
+a reason.
 
-Connections are read by one ``asyncio`` event loop, whatever their number: each request must arrive
-whole within ``request_deadline_s`` (and each read within ``read_timeout_s``), or the connection is
-dropped, so a client that trickles its request a byte at a time costs a coroutine, never a thread,
-and never delays the others. Only complete requests reach the bounded pool of ``workers`` threads that
-run the searches. Beyond ``max_connections`` open connections a new one gets 503 with ``Retry-After``.
-Keep-alive connections are served (HTTP/1.1), and dropped after ``read_timeout_s`` idle.
-The listen backlog is sized for many concurrent clients.
+aiohttp parses HTTP/1.1 (request lines, headers, ``Content-Length``, keep-alive) on one ``asyncio`` event loop,
+whatever the number of connections: a client that trickles its request costs a coroutine, never a thread.
+The limits are this module's: a request body must arrive within ``read_timeout_s``; a connection that has not
+completed a request for ``request_deadline_s`` is closed (a trickler), and an idle keep-alive one after
+``read_timeout_s``; beyond ``max_connections`` open connections a request gets 503 with ``Retry-After``; only
+complete requests reach the bounded pool of ``workers`` threads that run the searches; the listen backlog is
+sized for many concurrent clients. docs/decisions.md says why aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
-from typing import Optional
+import time
 from concurrent.futures import ThreadPoolExecutor
-from http import HTTPStatus
+from typing import Optional
+
+from aiohttp import web
 
 from mtrl_jax.rollout.interfaces import ToolError
 
 MAX_HEADER_BYTES = 65_536
 
 
-class _Reject(Exception):
-    """A request answered with ``status`` and ``error``, and the connection closed."""
+class _OneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header, a bad ``Content-Length``) with a traceback, though it
+    answers it with 400: one warning line instead."""
 
-    def __init__(self, status: int, error: str):
-        super().__init__(error)
-        self.status = status
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+HTTP_LOG = logging.getLogger("mtrl_jax.tool_server")
+HTTP_LOG.addFilter(_OneLine())
 
 
 class ToolServer:
@@ -60,12 +73,33 @@ class ToolServer:
         self.request_queue_size = backlog
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tool-server")
         self.loop = asyncio.new_event_loop()
-        self.connections = 0
-        self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._connection, host, port, backlog=backlog, limit=MAX_HEADER_BYTES)
+        self._active: dict = {}  # connection (aiohttp's protocol) -> when it last began or completed a request
+        app = web.Application(client_max_size=max_request_bytes)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/{collection}/tools", self._tools)
+        app.router.add_post("/{collection}/search", self._search)
+        app.router.add_route("*", "/{tail:.*}", self._unknown)
+        self.runner = web.AppRunner(
+            app,
+            access_log=None,
+            keepalive_timeout=read_timeout_s,
+            max_line_size=MAX_HEADER_BYTES,
+            max_field_size=MAX_HEADER_BYTES,
+            handle_signals=False,
+            logger=HTTP_LOG,
         )
-        self.server_address = self.server.sockets[0].getsockname()[:2]
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, host, port, backlog=backlog)
+        self.loop.run_until_complete(site.start())
+        self.server_address = self.runner.addresses[0][:2]
+        self._sweeper = self.loop.create_task(self._sweep())
         self.stopped = threading.Event()
+
+    @property
+    def connections(self) -> int:
+        """Open connections (tricklers included)."""
+        server = self.runner.server
+        return len(server.connections) if server is not None else 0
 
     # ------------------------------------------------------------------ life cycle
 
@@ -83,7 +117,8 @@ class ToolServer:
 
     def server_close(self) -> None:
         if not self.loop.is_closed():
-            self.server.close()
+            self._sweeper.cancel()
+            self.loop.run_until_complete(self.runner.cleanup())
             tasks = asyncio.all_tasks(self.loop)
             for task in tasks:
                 task.cancel()
@@ -91,87 +126,68 @@ class ToolServer:
             self.loop.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------------ one connection
-
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            if self.connections > self.max_connections:
-                return await self._send(writer, 503, {"error": "the tool server is at capacity; retry"}, close=True)
-            while True:
-                try:
-                    request = await asyncio.wait_for(self._read(reader), self.request_deadline_s)
-                except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-                    return  # idle, trickling, or gone: dropped
-                except _Reject as e:
-                    return await self._send(writer, e.status, {"error": str(e)}, close=True)
-                if request is None:  # closed between requests
-                    return
-                method, path, body, keep_alive = request
-                status, payload = await self._answer(method, path, body)
-                await self._send(writer, status, payload, close=not keep_alive)
-                if not keep_alive:
-                    return
-        except (ConnectionError, asyncio.CancelledError):
-            return
-        finally:
-            self.connections -= 1
-            writer.close()
-
-    async def _read(self, reader: asyncio.StreamReader):
-        """``(method, path, body, keep_alive)`` of the next request, or None at a clean end of the stream."""
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.read_timeout_s)
-        except asyncio.IncompleteReadError as e:
-            if not e.partial:
-                return None
-            raise
-        except asyncio.LimitOverrunError:
-            raise _Reject(431, f"request headers over {MAX_HEADER_BYTES} bytes") from None
-        try:
-            lines = head.decode("latin-1").split("\r\n")
-            method, path, version = lines[0].split(" ")
-            headers = {}
-            for line in lines[1:]:
-                if line:
-                    name, _, value = line.partition(":")
-                    headers[name.strip().lower()] = value.strip()
-        except ValueError:
-            raise _Reject(400, f"malformed request line {lines[0][:100]!r}") from None
-        raw_length = headers.get("content-length", "0")
-        if not (raw_length.isascii() and raw_length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
-            raise _Reject(400, f"invalid Content-Length {raw_length!r}")
-        length = int(raw_length)
-        if length > self.max_request_bytes:
-            raise _Reject(413, f"request of {length} bytes exceeds the limit of {self.max_request_bytes}")
-        body = await asyncio.wait_for(reader.readexactly(length), self.read_timeout_s) if length else b""
-        connection = headers.get("connection", "").lower()
-        keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
-        return method, path, body, keep_alive
-
-    async def _send(self, writer: asyncio.StreamWriter, status: int, payload: dict, close: bool) -> None:
-        body = json.dumps(payload).encode()
-        head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-        head += f"Content-Length: {len(body)}\r\n" + ("Retry-After: 1\r\n" if status == 503 else "")
-        head += "Connection: close\r\n\r\n" if close else "\r\n"
-        writer.write(head.encode() + body)
-        await asyncio.wait_for(writer.drain(), self.read_timeout_s)
+    async def _sweep(self) -> None:
+        """Close the connections that have not completed a request for ``request_deadline_s``."""
+        while True:
+            await asyncio.sleep(min(1.0, self.request_deadline_s / 4))
+            now = time.monotonic()
+            open_now = set(self.runner.server.connections) if self.runner.server is not None else set()
+            for connection in list(self._active):
+                if connection not in open_now:
+                    del self._active[connection]
+            for connection in open_now:
+                if now - self._active.setdefault(connection, now) > self.request_deadline_s:
+                    connection.force_close()
+                    if connection.transport is not None:
+                        connection.transport.close()
 
     # ------------------------------------------------------------------ the endpoints
 
-    async def _answer(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
-        if method == "GET" and path == "/health":
-            return 200, {"ok": True}
-        parts = path.strip("/").split("/")
-        if method not in ("GET", "POST"):
-            return 405, {"error": f"method {method} not allowed"}
-        suffix = "tools" if method == "GET" else "search"
-        if len(parts) != 2 or parts[1] != suffix or parts[0] not in self.tools:
-            return 404, {"error": f"unknown path {path!r}; collections: {sorted(self.tools)}"}
-        tools = self.tools[parts[0]]
-        if method == "GET":
-            return 200, {"tools": [t.schema() for t in tools.values()], "index": self.descriptions.get(parts[0])}
-        return await self.loop.run_in_executor(self.pool, _search, tools, body)
+    def _reply(self, status: int, payload: dict, request: web.Request) -> web.Response:
+        self._active[request.protocol] = time.monotonic()
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return web.json_response(payload, status=status, headers=headers)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return self._reply(200, {"ok": True}, request)
+
+    async def _unknown(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "POST"):
+            return self._reply(405, {"error": f"method {request.method} not allowed"}, request)
+        return self._reply(404, {"error": f"unknown path {request.path!r}; collections: {sorted(self.tools)}"}, request)
+
+    def _collection(self, request: web.Request) -> Optional[dict]:
+        return self.tools.get(request.match_info["collection"])
+
+    async def _tools(self, request: web.Request) -> web.Response:
+        tools = self._collection(request)
+        if tools is None:
+            return await self._unknown(request)
+        name = request.match_info["collection"]
+        return self._reply(
+            200, {"tools": [t.schema() for t in tools.values()], "index": self.descriptions.get(name)}, request
+        )
+
+    async def _search(self, request: web.Request) -> web.Response:
+        self._active[request.protocol] = time.monotonic()
+        tools = self._collection(request)
+        if tools is None:
+            return await self._unknown(request)
+        if self.connections > self.max_connections:
+            return self._reply(503, {"error": "the tool server is at capacity; retry"}, request)
+        length = request.content_length or 0
+        if length > self.max_request_bytes:
+            return self._reply(
+                413, {"error": f"request of {length} bytes exceeds the limit of {self.max_request_bytes}"}, request
+            )
+        try:
+            body = await asyncio.wait_for(request.read(), self.read_timeout_s)
+        except asyncio.TimeoutError:  # a body that stalls: the connection is dropped, with no reply
+            request.protocol.force_close()
+            request.transport.close()
+            raise asyncio.CancelledError from None
+        status, payload = await self.loop.run_in_executor(self.pool, _search, tools, body)
+        return self._reply(status, payload, request)
 
 
 async def _settle(tasks) -> None:
