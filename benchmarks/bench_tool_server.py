@@ -27,7 +27,7 @@ import pathlib
 import subprocess
 import sys
 
-from benchmarks.common import REPO, machine_line, ratio, worktree
+from benchmarks.common import REPO, machine_line, worktree
 from mtrl_jax.data.synthetic import make_synthetic_collection
 from mtrl_jax.search.build import SearchSettings, make_tools
 from mtrl_jax.search.server import make_server, serve_in_background
@@ -124,7 +124,7 @@ def against_revision(args) -> None:
     print(
         f"median requests/s: this tree {median['this tree']:.1f} (errors {errors['this tree']}), "
         f"{args.baseline} {median[args.baseline]:.1f} (errors {errors[args.baseline]}); "
-        f"this tree / {args.baseline}: {ratio(median['this tree'], median[args.baseline])}"
+        f"this tree / {args.baseline} throughput: {median['this tree'] / median[args.baseline]:.2f}x"
         f" ({args.clients} concurrent clients, {args.seconds:.0f} s each, {args.rounds} rounds)"
     )
 
