@@ -162,9 +162,12 @@ def cpu_collective_timeouts() -> bool:
     return True
 
 
-# XLA logs this block when a compile passes 2 minutes; on 2 cores the cold start's step takes about that long,
-# and the block reads as an error. The log says what is compiling instead (mtrl_jax.coldstart.sft).
-SLOW_COMPILE_BANNER = rb"[^\n]*slow_operation_alarm[^\n]*\n\*+\n[^\n]*Very slow compile\?[^\n]*\n\*+\n"
+# XLA logs this block when a compile passes 2 minutes (and a line when it ends); on 2 cores the cold start's step
+# takes about that long, and the block reads as an error. The log says what is compiling instead (coldstart.sft).
+SLOW_COMPILE_BANNER = (
+    rb"[^\n]*slow_operation_alarm[^\n]*\n\*+\n[^\n]*Very slow compile\?[^\n]*\n\*+\n"  # the alarm
+    rb"|[^\n]*slow_operation_alarm\.cc:\d+\] The operation took [^\n]*\n"  # and its end, once the compile is done
+)
 BANNER_ENV = "MTRL_JAX_XLA_BANNER"  # "show": leave XLA's slow-compile banner in the log
 # the filter: a separate process, so that what the run writes just before it dies (an abort) still comes out
 _FILTER = (

@@ -157,6 +157,7 @@ os.write(2, b"before\\n")
 os.write(2, b"E1207 12:00:00.000000  1 slow_operation_alarm.cc:73] \\n********************************\\n"
             b"[Compiling module jit_step] Very slow compile?  If you want to file a bug, run with envvar "
             b"XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the results.\\n********************************\\n")
+os.write(2, b"E1207 12:02:38.000000  1 slow_operation_alarm.cc:140] The operation took 2m38.968625302s\\n")
 os.write(2, b"bar 1\\rbar 2\\r")
 os.write(2, b"last words\\n")
 os.abort()
@@ -173,6 +174,7 @@ def test_xlas_slow_compile_banner_stays_out_of_the_log_and_nothing_else_is_lost(
     assert done.returncode != 0  # the abort
     assert b"before\n" in done.stderr and b"bar 1\rbar 2\rlast words\n" in done.stderr, done.stderr
     assert (b"Very slow compile?" in done.stderr) == (banner == "show"), done.stderr
+    assert (b"The operation took" in done.stderr) == (banner == "show"), done.stderr
 
 
 def test_several_cpu_devices_get_time_for_their_collectives(monkeypatch):
