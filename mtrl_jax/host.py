@@ -124,31 +124,29 @@ def tune_allocator() -> dict:
 
 def prepare_process() -> dict:
     """What an entry point calls first, before jax is imported: restart once with the huge-page tunable
-    (``reexec_with_tunables``), set the thresholds (``tune_allocator``), give several CPU devices' collectives
-    time to meet (``cpu_collective_timeouts``) and keep XLA's slow-compile banner out of the log
+    (``reexec_with_tunables``), set the thresholds (``tune_allocator``), keep one collective order on several CPU
+    devices (``cpu_multi_device_flags``) and keep XLA's slow-compile banner out of the log
     (``quiet_slow_compile_banner``); returns what the allocator got."""
     reexec_with_tunables()
-    cpu_collective_timeouts()
+    cpu_multi_device_flags()
     quiet_slow_compile_banner()
     return tune_allocator()
 
 
-# XLA:CPU aborts a collective whose participants arrive more than 40 s apart. With several CPU devices on a few
-# cores (--xla_force_host_platform_device_count=8 on 2 cores: 8 device threads share 2 cores) one device's part of
-# a large program can lag the others by more than that, and the process aborts (the default's cold start on a
-# (2,2,2) mesh did, every time). The flags exist from jaxlib 0.10; an older jaxlib refuses unknown flags.
-CPU_COLLECTIVE_FLAGS = (
-    "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600",
-)
+# Several CPU devices (--xla_force_host_platform_device_count=8): XLA:CPU's concurrency-optimized scheduler let
+# the devices of one program reach its collectives in different orders (one waiting in an all-gather, its partner
+# in an all-to-all), so the default's cold-start step on a (2,2,2) mesh deadlocked, and XLA aborted it after 40 s,
+# every time; the sequential scheduler keeps one collective order (docs/reliability.md, item 0). The flag exists
+# from jaxlib 0.10 (an older jaxlib refuses unknown flags: it is then left out).
+CPU_MULTI_DEVICE_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 
 
-def cpu_collective_timeouts() -> bool:
-    """Add ``CPU_COLLECTIVE_FLAGS`` to ``XLA_FLAGS`` when it asks for several host-platform (CPU) devices and sets
-    neither itself; returns whether it did. Call it before jax's backend starts."""
+def cpu_multi_device_flags() -> bool:
+    """Add ``CPU_MULTI_DEVICE_FLAGS`` to ``XLA_FLAGS`` when it asks for several host-platform (CPU) devices and does
+    not set the scheduler itself; returns whether it did. Call it before jax's backend starts."""
     flags = os.environ.get("XLA_FLAGS", "")
     devices = [f for f in flags.split() if f.startswith("--xla_force_host_platform_device_count=")]
-    if not devices or int(devices[-1].split("=", 1)[1] or 1) < 2 or "xla_cpu_collective_call" in flags:
+    if not devices or int(devices[-1].split("=", 1)[1] or 1) < 2 or "concurrency_optimized_scheduler" in flags:
         return False
     try:
         import importlib.metadata
@@ -158,7 +156,7 @@ def cpu_collective_timeouts() -> bool:
         return False
     if (major, minor) < (0, 10):
         return False
-    os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_COLLECTIVE_FLAGS]).strip()
+    os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_MULTI_DEVICE_FLAGS]).strip()
     return True
 
 

@@ -508,6 +508,30 @@ def test_the_default_runs_on_a_mesh_of_8_devices_with_its_own_vocabulary(shape):
     assert (len(vocab) + len({t["id"] for t in added} - set(vocab.values()))) % 8  # the vocabulary 8 does not divide
 
 
+DEFAULT_SIZED_MESH = ["--config.model.mesh_shape=(2,2,2)", "--config.warmup.steps=3", "--config.log.progress=False"]
+DEFAULT_SIZED_MESH += ["--config.data.max_train_per_collection=96"]  # 160 demonstrations (rendering them is not tested)
+
+
+@background("default_sized_mesh")
+def _default_sized_mesh_run(root):
+    """The default's own model (not SMALL's one layer) on a (2,2,2) mesh of 8 CPU devices: its cold start."""
+    cmd = [sys.executable, "-m", "experiments.run", "--config=configs/default.py", f"--workdir={root / 'run'}"]
+    cmd += ["--stage=warmup", *DEFAULT_SIZED_MESH]
+    proc = popen(cmd, root / "out.txt", cwd=REPO, env=subprocess_env(8))
+    return proc.wait(timeout=1200), (root / "out.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.background("default_sized_mesh")
+def test_the_default_sized_cold_start_runs_on_a_2_2_2_mesh():
+    """Issue 71, item 0: at the default's model size, its first cold-start step on a (2,2,2) mesh of 8 CPU devices
+    deadlocked in XLA's collectives (the devices in different ones) and aborted after 40 s, exit 134, every time;
+    the entry points now keep one collective order there (``host.cpu_multi_device_flags``)."""
+    code, out = background_result("default_sized_mesh")
+    assert code == 0, out[-3000:]
+    assert "rendezvous" not in out and "may be stuck" not in out, out[-3000:]
+
+
 @pytest.mark.slow
 def test_a_trained_lora_policy_exports_as_a_plain_hf_checkpoint_and_as_peft_adapters(tmp_path):
     """tools/export_hf on a work directory of one LoRA RL step: the merged export reloads as a plain model whose

@@ -148,6 +148,25 @@ def on_mesh(tree, mesh: Optional[Mesh]):
     return jax.tree.map(put, tree)
 
 
+def abstract_batch(tree, mesh: Optional[Mesh]):
+    """``place_batch``'s placement as ``jax.ShapeDtypeStruct``s: nothing is transferred or run, so a program can be
+    lowered ahead of time from another thread while the devices run the main thread's programs (on several CPU
+    devices, a program run from a second thread can interleave its collectives with theirs)."""
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def abstract(x):
+        shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        if mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        if not shape:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+        if shape[0] % shards:
+            raise ValueError(f"a batch of {shape[0]} rows does not split over the mesh's data x fsdp = {shards}")
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+
+    return jax.tree.map(abstract, tree)
+
+
 def place_batch(tree, mesh: Optional[Mesh]):
     """``device_put`` every array of ``tree`` with its leading (batch) axis over ``data`` x ``fsdp``."""
     if mesh is None:

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from mtrl_jax.compile_ahead import Programs
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, on_mesh, place_batch
+from mtrl_jax.model.sharding import abstract_batch, activate, on_mesh, place_batch
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.optimizer import TrainState, init_state
 from mtrl_jax.rl.train_step import UpdateConfig, update_step
@@ -79,7 +79,7 @@ class Updater:
             group_size=group_size,
         )
         ref = state.params if with_reference else None
-        lower = lambda: self.lower(state, place_batch(empty, self.mesh), ref, base)  # noqa: E731
+        lower = lambda: self.lower(state, abstract_batch(empty, self.mesh), ref, base)  # noqa: E731 - nothing runs
         return self._programs.compile_in_background(self._signature(empty, ref), lower, "update-compile")
 
     def settle(self) -> None:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from mtrl_jax.compile_ahead import Programs
 from mtrl_jax.model.config import ModelConfig
-from mtrl_jax.model.sharding import activate, batch_sharding, cache_sharding, place_batch
+from mtrl_jax.model.sharding import abstract_batch, activate, batch_sharding, cache_sharding, place_batch
 from mtrl_jax.model.transformer import KVCache
 from mtrl_jax.rollout.shapes import ExtendCounts, bucket_length, call_lines, window_for, windows  # noqa: F401
 from mtrl_jax.rollout.sampler import DecodeRows, SamplerState, decode, extend, forget, init_state, share_prefixes
@@ -154,8 +154,9 @@ class Sampler:
                 state_sharding(self.mesh, self.cfg.num_kv_heads),
             )
         extend_shapes, decode_windows = self.call_shapes()
+        # every argument abstract (nothing runs: this may be a background thread beside the main one's programs)
         rows = (
-            jax.random.split(jax.random.PRNGKey(0), self.slots),
+            jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(0), self.slots)),
             np.ones(self.slots, np.float32),
             np.ones(self.slots, np.float32),
             np.zeros((self.slots, num_stop_tokens), np.int32),
@@ -165,7 +166,7 @@ class Sampler:
 
         def lower_extend(lines, window):
             line = np.zeros(lines, np.int32)
-            tokens, num_new = place_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
+            tokens, num_new = abstract_batch((np.zeros((lines, self.piece), np.int32), line), self.mesh)
             return self._extend.lower(
                 params, state, tokens, num_new, window=window, rows=line, starts=line, last=np.zeros(lines, bool)
             )
@@ -174,7 +175,7 @@ class Sampler:
             return self._decode.lower(
                 params,
                 state,
-                DecodeRows(*place_batch(rows, self.mesh)),
+                DecodeRows(*abstract_batch(rows, self.mesh)),
                 max_new_tokens=self.max_new_tokens,
                 window=window,
             )
