@@ -1,6 +1,6 @@
 """Compile-ahead: programs compiled before their first call, so that no call of a run waits on a compile of a
 shape first met late. The sampler (``rollout.engine.Sampler.precompile``: every extend / decode shape) and the
-update (``rl.updater.Updater.warm``) keep theirs in a ``Programs`` table; ``Background`` runs such compiles
+update (``rl.updater.Updater.compile_ahead``) keep theirs in a ``Programs`` table; ``Background`` runs such compiles
 in a thread while the cold start and the first evaluation leave a core idle.
 
 A call whose program is not ready compiles its shape itself (jit), as without compile-ahead. A program that
