@@ -31,6 +31,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "data.max_eval_tasks": (0, 10**8, True),
     "data.max_eval_per_collection": (0, 10**8, True),
     "data.max_train_per_collection": (0, 10**8, True),
+    "data.curriculum_max_baseline": (0, 1, True),
     "search.tfidf_dim": (1, 65536, True),
     "search.top_k": (1, 20, True),  # the tools' max_top_k
     "search.max_doc_chars": (0, 10**6, True),
@@ -88,6 +89,7 @@ REASONS = {
     "warmup.two_turn_every": "0: never",
     "warmup.min_reward": "-1: keep every demonstration",
     "data.dev_fraction": "every run selects on its dev split",
+    "data.curriculum_max_baseline": "0: off; above 1 every query would be kept",
     "checkpoint.keep": "0 would delete every checkpoint, the trained policy's too",
     "optim.grad_clip": "0: no clipping; a negative norm would flip the gradient",
 }

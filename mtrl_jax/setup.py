@@ -10,6 +10,7 @@ are reported here, naming the field, before anything expensive runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 from typing import Any, Mapping, Optional
@@ -41,6 +42,7 @@ from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
 from mtrl_jax.rollout.selection import TRUNCATION_MODES, GroupSelector
 from mtrl_jax.search.build import SearchSettings, index_description, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
+from mtrl_jax.search.curriculum import hard_tasks
 from mtrl_jax.search.tools import check_service
 
 
@@ -340,6 +342,11 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     update_cfg, collector_cfg, warmup, run = check_config(config)  # cheap checks first: before any data is loaded
     use_compilation_cache(config)
     collections, train_tasks, dev_tasks = build_data(config) if data is None else data
+    if config.data.curriculum_max_baseline > 0:  # the hard training queries only (search/curriculum.py)
+        train_tasks, counts = hard_tasks(
+            collections, train_tasks, search_settings(config), config.data.curriculum_max_baseline
+        )
+        logging.getLogger("mtrl_jax").info("curriculum: training queries kept %s", counts)
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
