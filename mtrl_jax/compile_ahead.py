@@ -42,10 +42,7 @@ class Programs:
     def compile_in_background(self, key: Hashable, lower: Callable, thread_name: str) -> threading.Thread:
         """``compile`` in a daemon thread; a call of ``key`` waits for it (``run``)."""
 
-        def compile_it():
-            self._programs[key] = lower().compile()
-
-        thread = threading.Thread(target=compile_it, daemon=True, name=thread_name)
+        thread = threading.Thread(target=self.compile, args=(key, lower), daemon=True, name=thread_name)
         self._compiling[key] = thread
         thread.start()
         return thread

@@ -148,21 +148,25 @@ def on_mesh(tree, mesh: Optional[Mesh]):
     return jax.tree.map(put, tree)
 
 
+def batch_placement(shape: tuple, mesh: Mesh) -> NamedSharding:
+    """Where ``place_batch`` puts an array of ``shape``: its leading (batch) axis over ``data`` x ``fsdp``, a scalar
+    replicated; a batch those devices do not divide is an error."""
+    if not shape:
+        return NamedSharding(mesh, PartitionSpec())
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if shape[0] % shards:
+        raise ValueError(f"a batch of {shape[0]} rows does not split over the mesh's data x fsdp = {shards} devices")
+    return batch_sharding(mesh, len(shape))
+
+
 def abstract_batch(tree, mesh: Optional[Mesh]):
     """``place_batch``'s placement as ``jax.ShapeDtypeStruct``s: nothing is transferred or run, so a program can be
     lowered ahead of time from another thread while the devices run the main thread's programs (on several CPU
     devices, a program run from a second thread can interleave its collectives with theirs)."""
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
     def abstract(x):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        if mesh is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        if not shape:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-        if shape[0] % shards:
-            raise ValueError(f"a batch of {shape[0]} rows does not split over the mesh's data x fsdp = {shards}")
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=None if mesh is None else batch_placement(shape, mesh))
 
     return jax.tree.map(abstract, tree)
 
@@ -171,16 +175,9 @@ def place_batch(tree, mesh: Optional[Mesh]):
     """``device_put`` every array of ``tree`` with its leading (batch) axis over ``data`` x ``fsdp``."""
     if mesh is None:
         return jax.device_put(tree)
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def put(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
-        if x.ndim == 0:
-            return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-        if x.shape[0] % shards:
-            raise ValueError(
-                f"a batch of {x.shape[0]} rows does not split over the mesh's data x fsdp = {shards} devices"
-            )
-        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+        return jax.device_put(x, batch_placement(x.shape, mesh))
 
     return jax.tree.map(put, tree)

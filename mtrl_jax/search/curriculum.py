@@ -4,6 +4,7 @@ does not. The dev and test splits are never filtered: figures stay comparable wi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from mtrl_jax.data.collection import Collection
@@ -15,8 +16,6 @@ BASELINES = ("bm25", "dense", "fusion")
 
 def best_one_search(collection: Collection, tasks: Sequence, settings: SearchSettings) -> dict[str, float]:
     """``{task_id: the best nDCG@10 of one search}`` over ``BASELINES``, for ``tasks`` of ``collection``."""
-    import dataclasses
-
     scored = evaluate_retrieval(dataclasses.replace(collection, tasks=list(tasks)), BASELINES, settings)
     return {t.task_id: max(scored[tool]["ndcg@10_by_task"][t.task_id] for tool in BASELINES) for t in tasks}
 
