@@ -157,6 +157,15 @@ def get_config():
     c.rl.filter_max_extra_groups = 0
     c.rl.truncation = "penalty"  # failed episodes (-1): "penalty" trains on them, "mask" gives their tokens no gradient
     c.rl.max_nonfinite_steps = 3  # RL steps in a row with a non-finite loss/gradient (skipped) before the run stops
+    # per-search credit (docs/algorithms.md): "retrieval_gain" gives each search turn a reward, the rise of the
+    # nDCG@10 of the documents seen so far minus turn_redundancy x the fraction of its results seen before;
+    # normalised per group (floor turn_std_floor), summed over the search turns at and after each turn
+    # (discount turn_gamma), and added, times turn_coef, to the trajectory's advantage of every token of that turn
+    c.rl.turn_reward = "none"
+    c.rl.turn_coef = 1.0
+    c.rl.turn_gamma = 1.0
+    c.rl.turn_redundancy = 0.5
+    c.rl.turn_std_floor = 0.1
 
     c.optim = config_dict.ConfigDict()
     c.optim.learning_rate = 3e-4

@@ -57,6 +57,10 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "rl.logprob_chunk": (1, 10**9, True),
     "rl.filter_max_extra_groups": (0, 10**6, True),
     "rl.max_nonfinite_steps": (1, 10**6, True),
+    "rl.turn_coef": (0, 10**3, True),
+    "rl.turn_gamma": (0, 1, True),
+    "rl.turn_redundancy": (0, 10**3, True),
+    "rl.turn_std_floor": (0, 10**3, True),
     "optim.learning_rate": (0, 1, False),
     "optim.warmup_steps": (0, BIG, True),
     "optim.grad_clip": (0, 10**6, True),  # 0: no clipping; a negative norm would flip the gradient
@@ -92,6 +96,7 @@ REASONS = {
     "data.curriculum_max_baseline": "0: off; above 1 every query would be kept",
     "checkpoint.keep": "0 would delete every checkpoint, the trained policy's too",
     "optim.grad_clip": "0: no clipping; a negative norm would flip the gradient",
+    "rl.turn_gamma": "a discount: above 1 a later search would weigh more than the turn's own",
 }
 
 

@@ -36,6 +36,7 @@ from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
 from mtrl_jax.rl.optimizer import make_optimizer
 from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.turn_credit import TURN_REWARDS, TurnCreditConfig
 from mtrl_jax.rl.updater import Updater
 from mtrl_jax.rollout.collector import CollectorConfig
 from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
@@ -237,7 +238,18 @@ def update_config(config) -> UpdateConfig:
         logprob_chunk=rl.logprob_chunk,
         length_bucket=rl.length_bucket,
         skip_zero_advantage=rl.skip_zero_advantage,
+        turn_credit=turn_credit_config(config),
     )
+
+
+def turn_credit_config(config) -> Optional[TurnCreditConfig]:
+    """``rl.turn_*`` as a ``TurnCreditConfig``, or None when ``rl.turn_reward`` is ``"none"``."""
+    rl = config.rl
+    if rl.turn_reward not in TURN_REWARDS:
+        raise ValueError(f"rl.turn_reward must be one of {TURN_REWARDS}, got {rl.turn_reward!r}")
+    if rl.turn_reward == "none":
+        return None
+    return TurnCreditConfig(config.env.max_turns, rl.turn_coef, rl.turn_gamma, rl.turn_redundancy, rl.turn_std_floor)
 
 
 def collector_config(config) -> CollectorConfig:
@@ -396,5 +408,6 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
             update_cfg.rows_per_micro_batch_divisor,
             run.filter_groups,
             run.truncation,
+            None if update_cfg.turn_credit is None else update_cfg.turn_credit.redundancy,
         ),
     )

@@ -57,7 +57,13 @@ class Trainer:
             for config in (fitted_slots(c.collector, step_episodes, rows), eval_cfg)
         )
         self.rollouts = StepRollouts(
-            self.collector, c.schedule, c.train_tasks, run.seed, run.group_size, run.filter_max_extra_groups
+            self.collector,
+            c.schedule,
+            c.train_tasks,
+            run.seed,
+            run.group_size,
+            run.filter_max_extra_groups,
+            c.selector.informative,
         )
         self.stop_requested, self.stop_code = False, 0  # a stop signal: save, then exit with 128 + its number
         self.nonfinite = NonFiniteGuard(run.max_nonfinite_steps)
@@ -102,12 +108,23 @@ class Trainer:
     def _update(self, step: int, groups: list, no_gradient: list) -> dict:
         """The update on ``groups``; each trajectory's advantage is set from the update's."""
         trajectories, run = [t for g in groups for t in g], self.c.run
+        turn_credit = self.c.updater.config.turn_credit
         batch = make_batch(
-            trajectories, run.group_size, pad_id=self.c.chat.pad_id, length=run.batch_length, no_gradient=no_gradient
+            trajectories,
+            run.group_size,
+            pad_id=self.c.chat.pad_id,
+            length=run.batch_length,
+            no_gradient=no_gradient,
+            turn_credit=turn_credit,
         )
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params, self.base)
         advantages = distributed.fetch(update_metrics.pop("advantages"))  # [B], batch-sharded on the mesh
+        if turn_credit is not None:  # each turn's tokens' advantage into its record
+            turn_advantages = distributed.fetch(update_metrics.pop("turn_advantages"))
+            for t, advantage, turn_adv in zip(trajectories, advantages, turn_advantages):
+                for turn, a in zip(t.turns, turn_adv):
+                    turn["advantage"] = float(advantage + turn_credit.coef * a)
         update_metrics = jax.device_get(update_metrics)  # the one host transfer of the step's scalars
         metrics = {"time/update_s": time.perf_counter() - start}  # old / reference log-probs, loss, backward, optimizer
         for t, advantage in zip(trajectories, advantages):

@@ -95,7 +95,7 @@ class _Updater:
     """Records the batch it is given; advantages = reward (enough to check they reach the records)."""
 
     def __init__(self, divisor):
-        self.config = types.SimpleNamespace(rows_per_micro_batch_divisor=divisor)
+        self.config = types.SimpleNamespace(rows_per_micro_batch_divisor=divisor, turn_credit=None)
         self.batches = []
 
     def update(self, state, batch, ref_params, base=None):

@@ -18,11 +18,13 @@ from mtrl_jax.model.transformer import Transformer, abstract_params, pad_vocab
 from mtrl_jax.rl.batch import make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.train_step import UpdateConfig
+from mtrl_jax.rl.turn_credit import TurnCreditConfig
 from mtrl_jax.rl.updater import Updater
 from mtrl_jax.rollout.collector import Collector, CollectorConfig, EpisodeRequest
 from mtrl_jax.rollout.interfaces import Environment, Episode, StepResult
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
+CREDIT = TurnCreditConfig(max_turns=2)  # per-search credit (rl.turn_reward="retrieval_gain")
 
 
 class CountingEnv(Environment):
@@ -32,7 +34,8 @@ class CountingEnv(Environment):
         return Episode(task), [{"role": "system", "content": "sys"}, {"role": "user", "content": task.query}]
 
     def step(self, episode, text, hit_token_limit=False):
-        episode.turns.append({"text": text})
+        # a search turn's record for per-search credit (search.env.search_credit), from the sampled text
+        episode.turns.append({"text": text, "retrieval_gain": len(text) % 3 / 3, "repeated_docs": 0.0})
         if hit_token_limit or len(episode.turns) >= 2:
             episode.status, episode.final_ranking = "ok", []
             episode.reward = float(len(text) % 5) / 5
@@ -58,9 +61,9 @@ def setup():
     return chat, cfg, init_params(cfg, jax.random.PRNGKey(0))
 
 
-def one_rl_step(chat, cfg, params, mesh, lora_rank=0):
+def one_rl_step(chat, cfg, params, mesh, lora_rank=0, turn_credit=None):
     """Collect 16 episodes and update on them, on ``mesh`` (None: one device); with ``lora_rank`` the base is
-    frozen and LoRA adapters (B non-zero, so that they act) train."""
+    frozen and LoRA adapters (B non-zero, so that they act) train; with ``turn_credit``, per-search credit."""
     frozen = {}
     if lora_rank:
         cfg = cfg.replace(lora_rank=lora_rank)
@@ -84,11 +87,11 @@ def one_rl_step(chat, cfg, params, mesh, lora_rank=0):
         mesh,
     )
     trajectories = collector.run(requests)
-    batch = make_batch(trajectories, 4, 32, chat.pad_id)
+    batch = make_batch(trajectories, 4, 32, chat.pad_id, turn_credit=turn_credit)
     # plain SGD: Adam's m / sqrt(v) turns float-reordering noise in near-zero gradients into full-size steps
     updater = Updater(
         cfg,
-        UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1),
+        UpdateConfig(objective=ObjectiveConfig(loss="ppo"), mini_batches=2, micro_batches=1, turn_credit=turn_credit),
         optax.sgd(0.5),
         mesh,
     )
@@ -105,6 +108,9 @@ def rl_steps(setup):
         yield {
             (shape, rank): pool.submit(one_rl_step, *setup, shape and make_mesh(shape), lora_rank=rank)
             for rank in (0, 4)
+            for shape in (None, *MESHES)
+        } | {
+            (shape, "credit"): pool.submit(one_rl_step, *setup, shape and make_mesh(shape), turn_credit=CREDIT)
             for shape in (None, *MESHES)
         }
 
@@ -144,6 +150,21 @@ def test_one_rl_step_on_a_mesh_equals_the_single_device_step(setup, rl_steps, sh
     expected = param_shardings(abstract_params(cfg), make_mesh(shape))["layers"]["attn"]["q_proj"]
     assert q_proj.sharding.is_equivalent_to(expected, q_proj.ndim)  # the update keeps the table's layout
     assert q_proj.sharding.is_fully_replicated == (shape[1] * shape[2] == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES)
+def test_one_rl_step_with_per_search_credit_on_a_mesh_equals_the_single_device_step(rl_steps, shape):
+    ref_trajectories, ref_state, ref_metrics = rl_steps[None, "credit"].result()
+    trajectories, state, metrics = rl_steps[shape, "credit"].result()
+    assert [t.tokens for t in trajectories] == [t.tokens for t in ref_trajectories]
+    assert float(ref_metrics["turn_advantage_abs_mean"]) > 0  # the searches' rewards differ: the term acts
+    np.testing.assert_allclose(np.asarray(metrics["turn_advantages"]), np.asarray(ref_metrics["turn_advantages"]))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), state.params, ref_state.params
+    )
+    _, plain, _ = rl_steps[None, 0].result()  # the same samples without the credit train differently
+    assert not np.allclose(np.asarray(plain.params["lm_head"]), np.asarray(ref_state.params["lm_head"]))
 
 
 def _spec(sharding):

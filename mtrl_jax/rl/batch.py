@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 import flax.struct
 import numpy as np
 
+from mtrl_jax.rl.turn_credit import TurnCreditConfig, TurnRewards, turn_arrays
+
 
 @flax.struct.dataclass
 class TrajectoryBatch:
@@ -18,6 +20,7 @@ class TrajectoryBatch:
     behav_logp: np.ndarray  # [B, T] float32, 0 off the loss mask
     reward: np.ndarray  # [B] float32
     group_size: int = flax.struct.field(pytree_node=False, default=1)
+    turns: Optional[TurnRewards] = None  # the search turns' rewards, with per-search credit (rl.turn_reward)
 
     @property
     def shape(self):
@@ -44,12 +47,14 @@ def make_batch(
     pad_id: int = 0,
     length: Optional[int] = None,
     no_gradient: Sequence[int] = (),
+    turn_credit: Optional[TurnCreditConfig] = None,
 ) -> TrajectoryBatch:
     """Pad ``trajectories`` (P x G, groups contiguous) to ``T = length``, or, without one, to the
     longest rounded up to a multiple of ``length_bucket``. The trainer passes the context length
     (rounded), so every update has the same shape and compiles once; the update computes each
     micro-batch at its own length (``train_step.switch_on_length``), so the padding costs nothing.
-    The rows ``no_gradient`` keep their reward (their group's baseline) with an all-zero loss mask."""
+    The rows ``no_gradient`` keep their reward (their group's baseline) with an all-zero loss mask. With
+    ``turn_credit`` the batch carries its search turns' rewards (``turn_credit.turn_arrays``)."""
     if not trajectories or len(trajectories) % group_size:
         raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
     longest = max(len(t.tokens) for t in trajectories)
@@ -66,4 +71,5 @@ def make_batch(
         behav_logp=pad_rows([t.behav_logp for t in trajectories], T, np.float32),
         reward=np.array([t.reward for t in trajectories], np.float32),
         group_size=group_size,
+        turns=None if turn_credit is None else turn_arrays(trajectories, T, turn_credit),
     )

@@ -27,6 +27,7 @@ from mtrl_jax.model import lora
 from mtrl_jax.model.config import ModelConfig
 from mtrl_jax.model.sharding import constrain_rows
 from mtrl_jax.rl import advantages as advantages_lib
+from mtrl_jax.rl.turn_credit import TurnCreditConfig, token_advantages
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.guard import all_finite
 from mtrl_jax.rl.lengths import by_length, length_buckets, switch_on_length
@@ -53,11 +54,15 @@ class UpdateConfig:
     # branch is compiled for the lengths below it, which no micro-batch then takes (a shorter row is still
     # right, computed at the shortest length compiled)
     min_length: int = 0
-    # a micro-batch whose rows all have advantage 0 (every row of an all-equal group) adds exactly 0 to the
-    # gradient when the objective has no KL and no entropy term: skip its forward and backward (the
-    # optimizer step still runs). Exact for every built-in loss (a zero advantage gives a zero loss and
-    # gradient); a registered loss with a term that does not scale with the advantage must turn it off.
+    # a micro-batch whose rows' sampled tokens all have advantage 0 (every row of an all-equal group, and with
+    # per-search credit one whose search-turn rewards are all equal too) adds exactly 0 to the gradient when
+    # the objective has no KL and no entropy term: skip its forward and backward (the optimizer step still
+    # runs). Exact for every built-in loss (a zero advantage gives a zero loss and gradient); a registered
+    # loss with a term that does not scale with the advantage must turn it off.
     skip_zero_advantage: bool = True
+    # per-search credit (rl.turn_reward="retrieval_gain"): token-level advantages from the batch's turn
+    # rewards (TrajectoryBatch.turns); None: one advantage per trajectory
+    turn_credit: Optional[TurnCreditConfig] = None
 
     def __post_init__(self):
         if self.advantage not in advantages_lib.ESTIMATORS:
@@ -153,6 +158,8 @@ class StepPlan(NamedTuple):
 
 class Prepared(NamedTuple):
     data: dict  # per-row arrays the micro-batches gather: tokens, masks, behaviour / old / reference log-probs, adv
+    advantages: jax.Array  # [B] the estimator's, one per trajectory (data["adv"] is [B, T] with per-search credit)
+    turn_advantages: Optional[jax.Array]  # [B, K] with per-search credit (turn_credit.token_advantages), else None
     signal: Optional[jax.Array]  # [B] rows whose gradient can be non-zero (with plan.skip), else None
     current: dict  # scored set name -> whether it is bitwise the parameters the first mini-batch starts from
     order: jax.Array  # [update_epochs * mini_batches, rows] the optimizer steps' rows
@@ -194,11 +201,22 @@ def prepare(plan: StepPlan, state: TrainState, batch: TrajectoryBatch, ref_param
     policy's, the KL reference's), scored in the first epoch's micro-batches."""
     cfg, obj = plan.cfg, plan.cfg.objective
     loss_mask = batch.loss_mask.astype(jnp.float32)
-    adv = advantages_lib.compute(
+    trajectory_adv = advantages_lib.compute(
         cfg.advantage, batch.reward, batch.group_size, loss_mask, **dict(cfg.advantage_options)
     )
-    # rows whose gradient can be non-zero: with no KL and no entropy term, a row with advantage 0 adds 0
-    signal = ((adv != 0) & (loss_mask.sum(axis=1) > 0)) if plan.skip else None
+    adv, turn_adv = trajectory_adv, None
+    if cfg.turn_credit is not None:
+        if batch.turns is None:
+            raise ValueError("rl.turn_reward='retrieval_gain' needs the batch's turn rewards (make_batch)")
+        adv, turn_adv = token_advantages(adv, batch.turns, batch.group_size, cfg.turn_credit)
+    # rows whose gradient can be non-zero: with no KL and no entropy term, a row whose sampled tokens all have
+    # advantage 0 adds 0
+    if not plan.skip:
+        signal = None
+    elif adv.ndim == 1:
+        signal = (adv != 0) & (loss_mask.sum(axis=1) > 0)
+    else:
+        signal = ((adv != 0) & (loss_mask > 0)).any(axis=1)
     scored = []  # parameter sets whose log-probs the update needs before its first step
     if cfg.old_logp == "recompute" and not _one_step(cfg):
         scored.append(("old_logp", state.params))
@@ -242,7 +260,7 @@ def prepare(plan: StepPlan, state: TrainState, batch: TrajectoryBatch, ref_param
                 [jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(state.params))]
             )
         )
-    return Prepared(data, signal, current, order, rng)
+    return Prepared(data, trajectory_adv, turn_adv, signal, current, order, rng)
 
 
 def micro_loss(plan: StepPlan, frozen, current: dict, params, micro: dict, norms: dict, first):
@@ -352,7 +370,7 @@ def summarize(plan: StepPlan, prepared: Prepared, batch: TrajectoryBatch, histor
     """The update's metrics from its optimizer steps' (``history``: ``[steps]`` each): device scalars, and
     ``advantages [B]``."""
     cfg, data = plan.cfg, prepared.data
-    adv = data["adv"]
+    adv = prepared.advantages
     metrics = {k: _mean_or_max(k, v) for k, v in history.items()}
     metrics["first_minibatch_ratio_max_dev"] = history["ratio_max_dev"][0]
     metrics["skipped_steps"] = skipped
@@ -364,6 +382,12 @@ def summarize(plan: StepPlan, prepared: Prepared, batch: TrajectoryBatch, histor
     metrics["advantage_mean"] = adv.mean()
     metrics["advantage_abs_mean"] = jnp.abs(adv).mean()
     metrics["advantages"] = adv  # [B]: each trajectory's advantage (the trainer writes it to its record)
+    if prepared.turn_advantages is not None:  # [B, K]: each turn's (the trainer writes them to the turns)
+        metrics["turn_advantages"] = prepared.turn_advantages
+        sampled = data["loss_mask"] > 0
+        metrics["turn_advantage_abs_mean"] = (jnp.abs(data["adv"] - adv[:, None]) * sampled).sum() / jnp.maximum(
+            sampled.sum(), 1.0
+        )
     return metrics
 
 

@@ -7,8 +7,9 @@ gradient, and the counts of what was left out and why. In order:
 1. **Staleness.** A group with a sampled token more than ``max_staleness`` parameter versions older
    than the trainer's is dropped (``rollout.max_staleness``; the asynchronous rollouts' bound).
 2. **Dynamic sampling** (DAPO's ``filter_groups``, ``rl.filter_groups``). A group whose rewards are all
-   equal has group-relative advantages of exactly 0: it adds no policy gradient, only tokens to the
-   normaliser (and KL / entropy terms), so it is dropped; at most ``global_batch_size`` informative
+   equal (and, with per-search credit, whose search turns' rewards are all equal too) has advantages of
+   exactly 0: it adds no policy gradient, only tokens to the normaliser (and KL / entropy terms), so it is
+   dropped; at most ``global_batch_size`` informative
    groups train. The collection refills such steps (``refill``: up to ``rl.filter_max_extra_groups``
    more groups, for training tasks drawn at random).
 3. **Even split.** The jitted update splits a batch's rows into equal mini- and micro-batches, and a
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
+from mtrl_jax.rl.turn_credit import rewards_vary
 from mtrl_jax.rollout.trajectory import Trajectory
 
 TRUNCATION_MODES = ("penalty", "mask")
@@ -36,9 +38,10 @@ def all_equal(group: Sequence) -> bool:
     return len({t.reward for t in group}) <= 1
 
 
-def informative(group: Sequence) -> bool:
-    """Whether ``group``'s rewards differ (its group-relative advantages are not all 0)."""
-    return not all_equal(group)
+def informative(group: Sequence, turn_redundancy: Optional[float] = None) -> bool:
+    """Whether ``group``'s rewards differ (its group-relative advantages are not all 0), or, with per-search
+    credit (``turn_redundancy`` not None: ``rl.turn_redundancy``), its search turns' rewards do."""
+    return not all_equal(group) or (turn_redundancy is not None and rewards_vary(group, turn_redundancy))
 
 
 def filter_stale(groups: Sequence[Sequence[Trajectory]], trainer_version: int, max_staleness: int) -> tuple[list, list]:
@@ -52,11 +55,11 @@ def filter_stale(groups: Sequence[Sequence[Trajectory]], trainer_version: int, m
     return fresh, stale
 
 
-def split_informative(groups: Sequence[Sequence]) -> tuple[list, list]:
-    """``(informative groups, all-equal groups)``, each in the given order."""
+def split_informative(groups: Sequence[Sequence], turn_redundancy: Optional[float] = None) -> tuple[list, list]:
+    """``(informative groups, the others)``, each in the given order (``informative``)."""
     keep, drop = [], []
     for group in groups:
-        (keep if informative(group) else drop).append(group)
+        (keep if informative(group, turn_redundancy) else drop).append(group)
     return keep, drop
 
 
@@ -81,14 +84,20 @@ def no_gradient_rows(trajectories: Sequence, truncation: str) -> list[int]:
     return [i for i, t in enumerate(trajectories) if t.status != "ok"]
 
 
-def refill(groups: list, target: int, generate: Callable[[int, int], list], max_extra_groups: int) -> tuple[list, int]:
+def refill(
+    groups: list,
+    target: int,
+    generate: Callable[[int, int], list],
+    max_extra_groups: int,
+    is_informative: Callable[[Sequence], bool] = informative,
+) -> tuple[list, int]:
     """Generate further groups until ``groups`` holds ``target`` informative ones or ``max_extra_groups``
     extra groups have been generated: round ``r`` calls ``generate(n, r)`` for the ``n`` groups still
     missing (at most what the cap leaves) and appends what it returns. Returns ``(groups, extra groups
     generated)``."""
     extra, round_ = 0, 0
     while True:
-        missing = target - sum(informative(g) for g in groups)
+        missing = target - sum(is_informative(g) for g in groups)
         n = min(missing, max_extra_groups - extra)
         if n <= 0:
             return groups, extra
@@ -113,6 +122,11 @@ class GroupSelector:
     rows_divisor: int  # mini_batches x micro_batches: the kept rows are a multiple of it
     filter_groups: bool = False
     truncation: str = "penalty"
+    turn_redundancy: Optional[float] = None  # per-search credit's rl.turn_redundancy (None: off; see informative)
+
+    def informative(self, group: Sequence) -> bool:
+        """Whether ``group`` has a non-zero advantage somewhere (``informative``)."""
+        return informative(group, self.turn_redundancy)
 
     def select(self, groups: Sequence[Sequence[Trajectory]], step: int) -> Selection:
         """The groups of RL step ``step`` (0-based: the trainer holds parameter version ``step``) that train."""
@@ -125,7 +139,7 @@ class GroupSelector:
         }
         trainable = fresh
         if self.filter_groups:
-            trainable, all_equal_groups = split_informative(fresh)
+            trainable, all_equal_groups = split_informative(fresh, self.turn_redundancy)
             counts["filter/dropped_groups"] = len(all_equal_groups)
             counts["filter/extra_episodes"] = sum(len(g) for g in groups if g[0].group_id >= self.global_batch_size)
             counts["filter/informative_groups"] = len(trainable)

@@ -5,7 +5,7 @@ for (``selection.refill``), and the exchange of every process's groups on the ma
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -14,7 +14,7 @@ from mtrl_jax import distributed, rng
 from mtrl_jax.data.schedule import DataCursor, TaskSchedule
 from mtrl_jax.rollout.collector import Collector, EpisodeRequest
 from mtrl_jax.rollout.engine import ExtendCounts
-from mtrl_jax.rollout.selection import refill
+from mtrl_jax.rollout.selection import informative, refill
 
 
 def add_timings(total: dict, more: dict) -> dict:
@@ -37,9 +37,11 @@ class StepRollouts:
         seed: int,
         group_size: int,
         filter_max_extra_groups: int = 0,
+        informative: Callable[[Sequence], bool] = informative,
     ):
         self.collector, self.schedule, self.train_tasks = collector, schedule, train_tasks
         self.seed, self.group_size, self.max_extra = seed, group_size, filter_max_extra_groups
+        self.informative = informative  # which groups dynamic sampling counts (GroupSelector.informative)
         self.start: tuple[int, DataCursor] = (
             0,
             DataCursor(shuffle_seed=seed),
@@ -95,7 +97,7 @@ class StepRollouts:
                 return more
 
             cap = -(-self.max_extra // jax.process_count())  # each process refills its share
-            groups, _ = refill(groups, len(groups), generate, cap)
+            groups, _ = refill(groups, len(groups), generate, cap, self.informative)
         return groups, {**timings, "collect_s": time.perf_counter() - start}
 
     @staticmethod

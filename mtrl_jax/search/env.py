@@ -34,7 +34,7 @@ from mtrl_jax.rollout.interfaces import (
     Tool,
     ToolError,
 )
-from mtrl_jax.search.metrics import ndcg_at_k
+from mtrl_jax.search.metrics import best_ndcg_at_k, ndcg_at_k
 from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 
 
@@ -84,6 +84,20 @@ class SearchEnvConfig:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
 
 
+def search_credit(seen: set, results: list[list[str]], qrels: dict, k: int = 10) -> dict:
+    """What a search turn found (per-search credit, ``mtrl_jax.rl.turn_credit``): ``retrieval_gain``, the rise of
+    the nDCG@k of the best ranking of every document seen (``seen`` before the turn, then its calls' ``results``),
+    and ``repeated_docs``, the fraction of the results shown already (before the turn, or by an earlier call of
+    it). Recorded in the turn whether or not RL uses it."""
+    now, repeated, shown = set(seen), 0, 0
+    for docs in results:
+        for d in dict.fromkeys(docs):  # a call's results once each, in order
+            repeated, shown = repeated + (d in now), shown + 1
+            now.add(d)
+    gain = best_ndcg_at_k(now, qrels or {}, k) - best_ndcg_at_k(seen, qrels or {}, k)
+    return {"retrieval_gain": gain, "repeated_docs": repeated / max(shown, 1)}
+
+
 class SearchEnvironment(Environment):
     def __init__(
         self,
@@ -131,7 +145,7 @@ class SearchEnvironment(Environment):
         if not calls:
             return self._answer(episode, turn, parse_answer(assistant_text))
 
-        messages = []
+        messages, seen = [], {d for results in episode.search_results for d in results}
         for name, arguments, error_kind, error in calls:
             record = {"name": name, "arguments": arguments, "doc_ids": [], "latency_s": 0.0, "error": None}
             start = time.perf_counter()
@@ -169,6 +183,8 @@ class SearchEnvironment(Environment):
             turn["doc_ids"] += record["doc_ids"]
             turn["calls"].append(record)
             messages.append({"role": "tool", "content": content})
+        if turn["doc_ids"]:
+            turn.update(search_credit(seen, [c["doc_ids"] for c in turn["calls"]], getattr(episode.task, "qrels", {})))
         if len(episode.turns) >= self.config.max_turns:
             return self._finish(episode, turn, "max_turns")
         return StepResult(messages, False, turn)

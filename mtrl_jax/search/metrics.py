@@ -32,6 +32,14 @@ def ndcg_at_k(ranking: Sequence[str], qrels: Mapping[str, int], k: int = 10) -> 
     return dcg(max(qrels.get(d, 0), 0) for d in dedupe(ranking)[:k]) / idcg
 
 
+def best_ndcg_at_k(docs: Iterable[str], qrels: Mapping[str, int], k: int = 10) -> float:
+    """nDCG@k of the best ranking of ``docs`` (each once, by grade): how good an answer built from them can be."""
+    idcg = ideal_dcg(qrels, k)
+    if idcg == 0:
+        return 0.0
+    return dcg(sorted((max(qrels.get(d, 0), 0) for d in set(docs)), reverse=True)[:k]) / idcg
+
+
 def recall_at_k(ranking: Sequence[str], qrels: Mapping[str, int], k: int = 100) -> float:
     relevant = {d for d, g in qrels.items() if g > 0}
     if not relevant:
