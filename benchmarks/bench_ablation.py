@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import REPO, machine_line, ratio
+from benchmarks.common import REPO, machine_line, ratio, read_test
 from experiments.ablate import cell_name, grid_cells, parse_grid, parse_seeds, wall_seconds
 from experiments.sweep import timed_run
 
@@ -117,21 +117,16 @@ def test_report(args, out: pathlib.Path, cell, seeds, overrides) -> None:
 
     from mtrl_jax import stats
 
-    per_seed = []
-    for seed in seeds:
-        workdir = out / "shared" / cell_name(cell) / f"seed_{seed}"
-        target = out / "test" / cell_name(cell) / f"seed_{seed}"
-        if not (target / "test_scores.json").exists():
-            cmd = [sys.executable, "-m", "experiments.evaluate", f"--config={args.config}", "--split=test"]
-            cmd += [
-                f"--checkpoint={workdir}",
-                f"--out={target}",
-                f"--config.seed={seed}",
-                "--config.eval.every_steps=0",
-            ]
-            cmd += [*[f"--config.{f}={v}" for f, v in cell], *overrides]
-            subprocess.run(cmd, cwd=REPO, check=True)
-        per_seed.append(json.loads((target / "test_scores.json").read_text()))
+    flags = ["--config.eval.every_steps=0", *[f"--config.{f}={v}" for f, v in cell], *overrides]
+    per_seed = [
+        read_test(
+            args.config,
+            out / "shared" / cell_name(cell) / f"seed_{seed}",
+            out / "test" / cell_name(cell) / f"seed_{seed}",
+            [f"--config.seed={seed}", *flags],
+        )
+        for seed in seeds
+    ]
     for name in per_seed[0]:
         ids = sorted(per_seed[0][name]["policy"])
         policy = np.array([[s[name]["policy"][i] for i in ids] for s in per_seed])

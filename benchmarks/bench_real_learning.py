@@ -14,6 +14,9 @@ question as typed (BM25, dense, their fusion), its top 10 as the ranking; each s
 also set against the best of them query by query (wins, losses, ties, and a paired bootstrap interval of
 the mean difference; for several seeds also of their mean), since a mean over 25-30 queries can hide one
 query's luck. Then each run's minutes and peak resident memory. Extra ``--config.*`` arguments go to every run.
+``--test`` then reads each seed's test split once, its cold start and its RL policy (``experiments.evaluate
+--split=test``, whose ledger counts the readings; a reading already made is loaded), and prints per collection
+both with their intervals, RL's paired gain and the RL policy against each one search on the same test queries.
 ``--samples k`` also evaluates each seed's finished cold start and RL policy with k samples a dev query at
 the rollout temperature (the policy RL trains, where the table above decodes greedily), with RL's change.
 
@@ -36,7 +39,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import REPO, machine_line, ratio, run_seeds, worktree
+from benchmarks.common import REPO, machine_line, ratio, read_test, run_seeds, worktree
 from mtrl_jax import stats
 from mtrl_jax.metrics import read_episodes as episodes
 from mtrl_jax.metrics import task_scores
@@ -196,6 +199,36 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
         )
 
 
+def test_report(config: str, seeds: list[int], out: pathlib.Path, overrides: list[str]) -> None:
+    """Each seed's cold start and RL policy read once on the test split (``read_test``: ``experiments.evaluate
+    --split=test``, its ledger), per collection: both with their intervals over the seeds and queries, RL's gain
+    paired, and the RL policy against each one-search baseline on the same test queries, paired."""
+
+    def reading(seed: int, stage: str) -> dict:
+        workdir = out / f"seed_{seed}"
+        return read_test(config, workdir, workdir / f"test_{stage}", [f"--config.seed={seed}", *overrides], stage)
+
+    readings = {stage: [reading(s, stage) for s in seeds] for stage in ("warmup", "rl")}
+    print(f"\ntest split, read once per seed and stage (seeds {seeds}; intervals over the seeds and the queries)")
+    print("| collection | queries | warmed up | after RL | RL gain [95% CI, paired] |\n|---|---|---|---|---|")
+    against = []
+    for name in readings["rl"][0]:
+        ids = sorted(readings["rl"][0][name]["policy"])
+        scores = lambda stage, key: np.array([[r[name][key][i] for i in ids] for r in readings[stage]])  # noqa: E731
+        cold, tuned = scores("warmup", "policy"), scores("rl", "policy")
+        gain = stats.paired(tuned, cold)
+        print(
+            f"| {name} | {len(ids)} | {stats.interval(cold).text()} | {stats.interval(tuned).text()} | "
+            f"{gain.mean:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}] {stats.verdict(gain)} |"
+        )
+        for tool in ("bm25", "dense", "fusion"):
+            against.append((name, tool, float(scores("rl", tool)[0].mean()), stats.paired(tuned, scores("rl", tool))))
+    print("\n| collection | one search | its nDCG@10 | after RL - it [95% CI, paired] | verdict |")
+    print("|---|---|---|---|---|")
+    for name, tool, value, d in against:
+        print(f"| {name} | {tool} | {value:.3f} | {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] | {stats.verdict(d)} |")
+
+
 def step_times(workdir: pathlib.Path) -> list[float]:
     return [json.loads(line)["time/step_s"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
@@ -255,6 +288,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--samples", type=int, default=0, help="also evaluate each seed's warm-up and RL policy with k samples a query"
     )
+    parser.add_argument(
+        "--test", action="store_true", help="then read each seed's test split once (cold start and RL policy)"
+    )
     parser.add_argument("--step_baseline", default="", help="a git revision: time the RL step here and there instead")
     parser.add_argument("--step_collection", default="cranfield", help="with --step_baseline: the collection")
     parser.add_argument("--step_eval_tasks", type=int, default=4, help="with --step_baseline: dev queries")
@@ -277,6 +313,8 @@ def main(argv=None) -> None:
     report(args.out, seeds, summaries, baselines)
     if args.samples:
         report_sampled(sampled_evaluations(args.config, seeds, args.out, overrides, args.samples), args.samples)
+    if args.test:
+        test_report(args.config, seeds, args.out, overrides)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,20 @@ def run_seeds(*args, **kwargs) -> dict:
     return sweep(*args, **kwargs)
 
 
+def read_test(config: str, workdir: pathlib.Path, target: pathlib.Path, flags: Sequence[str] = (), stage="rl") -> dict:
+    """``test_scores.json`` of ``workdir``'s test split (its RL policy, or with ``stage="warmup"`` its cold start,
+    and the one-search baselines on the same queries), read once through ``experiments.evaluate --split=test``
+    and its ledger into ``target``; a reading already in ``target`` is loaded, not made again."""
+    import json
+
+    if not (target / "test_scores.json").exists():
+        cmd = [sys.executable, "-m", "experiments.evaluate", f"--config={config}", "--split=test"]
+        cmd += [f"--checkpoint={workdir}", f"--stage={stage}", f"--out={target}", *flags]
+        print(" ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return json.loads((target / "test_scores.json").read_text())
+
+
 def import_torch(what: str):
     """``(torch, transformers)``, or ``(None, None)`` with a message saying that ``what`` is skipped."""
     try:

@@ -24,7 +24,10 @@ split's per-query nDCG@10 after RL (``trajectories/eval_after.jsonl``):
   queries, ``separated`` when that interval excludes 0), ``warmups`` (trained, reused) and the seconds;
 * ``results.md``: the same as tables; ``results.png``: each arm's mean with its interval bar.
 
-Intervals: ``mtrl_jax.stats`` (a two-way bootstrap over seeds and queries). How to read them: docs/ablations.md.
+``--focus TYPE`` adds the same tables on the dev queries of one task type (``synthetic/multihop``); ``--reach X``
+the RL steps each run took to first reach a dev nDCG@10 of X (of the focus type), from its dev curve (give
+``--eval-every``). The report: ``experiments/ablate_report.py``. Intervals: ``mtrl_jax.stats`` (a two-way
+bootstrap over seeds and queries; t over seeds for steps). How to read them: docs/ablations.md.
 """
 
 from __future__ import annotations
@@ -38,11 +41,9 @@ import shutil
 import sys
 import time
 
-import numpy as np
-
+from experiments.ablate_report import markdown, plot, report
 from experiments.sweep import load_config, timed_run
-from mtrl_jax import stats
-from mtrl_jax.metrics import flatten, task_scores
+from mtrl_jax.metrics import flatten
 
 # Fields no part of the cold start reads (the RL objective and optimizer, the rollout's sampling and scheduling,
 # the evaluations, checkpoints and logs). Every other field is part of the cold start's key: a field missing
@@ -129,20 +130,6 @@ def cell_name(cell) -> str:
     return ",".join(f"{field.split('.')[-1]}={value}" for field, value in cell)
 
 
-def dev_curve(workdir: pathlib.Path) -> list[tuple[int, float]]:
-    """(step, dev nDCG@10): before RL at 0, periodic evaluations, after RL at the end."""
-    summary = json.loads((workdir / "summary.json").read_text())
-    points = [(0, summary["before"]["ndcg@10"])]
-    metrics = workdir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
-            if "eval/ndcg@10" in row:
-                points.append((row["step"], row["eval/ndcg@10"]))
-    points.append((summary["rl_steps"], summary["after"]["ndcg@10"]))
-    return points
-
-
 class Ablation:
     """The arms x seeds of a grid, their shared cold starts, and the runs' commands."""
 
@@ -226,108 +213,6 @@ def wall_seconds(workdir: pathlib.Path, missing: float = 0.0) -> float:
     return float(wall.read_text()) if wall.exists() else missing
 
 
-def score_matrix(workdirs, stage: str = "after") -> tuple[np.ndarray, list[str]]:
-    """``[seeds, queries]`` dev nDCG@10 of the runs ``workdirs`` (the same queries in each) after RL, or with
-    ``stage="before"`` of the cold-started policy RL started from."""
-    scores = [task_scores(w / "trajectories" / f"eval_{stage}.jsonl") for w in workdirs]
-    ids = sorted(scores[0])
-    for w, s in zip(workdirs, scores):
-        if sorted(s) != ids:
-            raise ValueError(f"{w}: its dev queries differ from {workdirs[0]}'s: the arms are not paired")
-    return np.array([[s[i] for i in ids] for s in scores]), ids
-
-
-def report(ablation: Ablation, started: float) -> dict:
-    """``results.json``'s content: per arm its interval, per pair the paired difference."""
-    arms, matrices = {}, {}
-    for cell in ablation.cells:
-        name = cell_name(cell)
-        runs = [ablation.out / name / f"seed_{s}" for s in ablation.seeds]
-        matrices[name], _ = score_matrix(runs)
-        summaries = [json.loads((w / "summary.json").read_text()) for w in runs]
-        ci = stats.interval(matrices[name])
-        gain = stats.paired(matrices[name], score_matrix(runs, "before")[0])  # RL over the arm's own cold start
-        arms[name] = {
-            "mean": ci.mean,
-            "ci95": [ci.low, ci.high],
-            "n": {"seeds": ci.seeds, "queries": ci.queries},
-            "failure_rate": float(np.mean([s["after"]["failure_rate"] for s in summaries])),
-            "before": float(np.mean([s["before"]["ndcg@10"] for s in summaries])),
-            "gain": {"diff": gain.mean, "ci95": [gain.low, gain.high], "separated": gain.excludes_zero},
-            "curves": [dev_curve(w) for w in runs],
-            "wall_seconds": ablation.arm_wall_seconds(cell),
-        }
-    pairs = []
-    for a, b in itertools.combinations(arms, 2):
-        diff = stats.paired(matrices[a], matrices[b])
-        separated = diff.excludes_zero
-        pairs.append({"a": a, "b": b, "diff": diff.mean, "ci95": [diff.low, diff.high], "separated": separated})
-    return {
-        "split": "dev",
-        "seeds": ablation.seeds,
-        "arms": arms,
-        "pairs": pairs,
-        "warmups": {**ablation.warmup_counts(), "wall_seconds": ablation.warmup_wall_seconds()},
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def markdown(results: dict) -> str:
-    arms, pairs = results["arms"], results["pairs"]
-    any_arm = next(iter(arms.values()))
-    seeds = any_arm["n"]["seeds"]
-    n = f"{seeds} seed{'s' if seeds != 1 else ''} x {any_arm['n']['queries']} dev queries"
-    lines = [
-        f"Dev nDCG@10 after RL (failures 0), mean and 95% interval over {n}; before RL: the shared warm-up.",
-        "",
-        "| arm | nDCG@10 [95% CI] | before RL | RL gain [95% CI, paired] | failure rate |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in arms.items():
-        g = r["gain"]
-        verdict = "separated" if g["separated"] else "not resolved"
-        lines.append(
-            f"| {name} | {r['mean']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] | {r['before']:.4f} | "
-            f"{g['diff']:+.4f} [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}] {verdict} | {r['failure_rate']:.3f} |"
-        )
-    lines += ["", "| a | b | a - b [95% CI, paired] | verdict |", "|---|---|---|---|"]
-    for p in pairs:
-        verdict = "separated" if p["separated"] else "not resolved"
-        low, high = p["ci95"]
-        lines.append(f"| {p['a']} | {p['b']} | {p['diff']:+.4f} [{low:+.4f}, {high:+.4f}] | {verdict} |")
-    widest = max((p["ci95"][1] - p["ci95"][0]) / 2 for p in pairs) if pairs else 0.0
-    separated = sum(p["separated"] for p in pairs)
-    lines += [
-        "",
-        f"{separated} of {len(pairs)} pairs separated; the widest paired interval is ±{widest:.4f} around its mean.",
-        f"Warm-ups: {results['warmups']['trained']} trained, {results['warmups']['reused']} reused.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: dict, path: pathlib.Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results["arms"])
-    means = np.array([results["arms"][n]["mean"] for n in names])
-    low = means - np.array([results["arms"][n]["ci95"][0] for n in names])
-    high = np.array([results["arms"][n]["ci95"][1] for n in names]) - means
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(names) + 2), 4.5), dpi=120)
-    ax.errorbar(range(len(names)), means, yerr=[low, high], fmt="o", capsize=4)
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("dev nDCG@10 after RL (failures count 0)")
-    any_arm = next(iter(results["arms"].values()))
-    ax.set_title(f"mean and 95% interval, {any_arm['n']['seeds']} seeds x {any_arm['n']['queries']} queries")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.py")
@@ -337,6 +222,10 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, e.g. 0,1,2,3,4")
     parser.add_argument("--out", default="workdirs/ablate")
     parser.add_argument("--eval-every", type=int, default=0, help="dev evaluation every N RL steps (0: before/after)")
+    parser.add_argument("--focus", default=None, help="also report the dev queries of this task type alone")
+    parser.add_argument(
+        "--reach", type=float, default=None, help="also report the RL steps to reach this dev nDCG@10 (of --focus)"
+    )
     args, overrides = parser.parse_known_args(argv)
     for o in overrides:
         if not o.startswith("--config."):
@@ -351,7 +240,7 @@ def main(argv=None):
     for seed in ablation.seeds:  # seed by seed: a seed's cold start is trained once, then its arms run
         for cell in ablation.cells:
             ablation.arm(cell, seed)
-    results = report(ablation, started)
+    results = report(ablation, started, args.focus, args.reach)
     out = ablation.out
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(markdown(results))

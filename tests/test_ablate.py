@@ -178,3 +178,56 @@ def test_grid_fields_joined_by_plus_vary_together():
     with pytest.raises(SystemExit, match="gives 1 values for 2 fields"):
         ablate.parse_grid(["model.lora_rank+warmup.train_base=0+False,8"])
     assert ablate.grid_cells(ablate.parse_grid(["rl.loss=ppo,is"])) == [(("rl.loss", "ppo"),), (("rl.loss", "is"),)]
+
+
+def _fake_run(workdir: pathlib.Path, after: dict, curve: list, rl_steps: int = 12):
+    """A finished run's files as the report reads them: ``after`` {task id: (type, nDCG@10)} after RL (before RL
+    every query scored 0.1), ``curve`` [(step, multihop dev nDCG@10)] of its periodic evaluations."""
+    (workdir / "trajectories").mkdir(parents=True)
+    for stage, scores in (("before", {t: (k, 0.1) for t, (k, _) in after.items()}), ("after", after)):
+        lines = [
+            json.dumps({"task_id": t, "type": k, "status": "ok", "reward": v, "turns": [], "counters": {}})
+            for t, (k, v) in scores.items()
+        ]
+        (workdir / "trajectories" / f"eval_{stage}.jsonl").write_text("\n".join(lines) + "\n")
+    multihop = [v for k, v in after.values() if k == "multihop"]
+    summary = {
+        "before": {"ndcg@10": 0.1, "by_type": {"multihop": {"ndcg@10": 0.1}}},
+        "after": {"ndcg@10": 0.5, "failure_rate": 0.0, "by_type": {"multihop": {"ndcg@10": float(np.mean(multihop))}}},
+        "rl_steps": rl_steps,
+    }
+    (workdir / "summary.json").write_text(json.dumps(summary))
+    rows = [{"step": s, "eval/by_type/multihop/ndcg@10": v, "eval/ndcg@10": v} for s, v in curve]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_report_of_one_task_type_and_the_steps_to_reach_a_score(tmp_path):
+    from experiments.ablate_report import markdown, report
+
+    curves = {"turn_reward=none": [[(4, 0.5), (8, 0.95)], [(4, 0.2), (8, 0.3)], [(4, 0.9), (8, 0.92)]]}
+    curves["turn_reward=retrieval_gain"] = [[(4, 0.91), (8, 0.95)], [(4, 0.6), (8, 0.93)], [(4, 0.95), (8, 0.9)]]
+    for arm, runs in curves.items():
+        for seed, curve in enumerate(runs):
+            lift = 0.3 if "gain" in arm else 0.0
+            after = {"a": ("lookup", 0.9), "b": ("multihop", 0.2 + lift + 0.1 * seed), "c": ("multihop", 0.5 + lift)}
+            _fake_run(tmp_path / arm / f"seed_{seed}", after, curve)
+    ablation = ablate.Ablation(
+        "configs/default.py", ablate.parse_grid(["rl.turn_reward=none,retrieval_gain"]), [0, 1, 2], tmp_path, [], 4
+    )
+    results = report(ablation, 0.0, focus="multihop", reach=0.9)
+    assert results["arms"]["turn_reward=none"]["n"] == {"seeds": 3, "queries": 3}
+    focus = results["focus"]
+    assert focus["arms"]["turn_reward=none"]["n"] == {"seeds": 3, "queries": 2}  # the lookup query left out
+    (pair,) = focus["pairs"]
+    assert pair["diff"] == pytest.approx(-0.3) and pair["separated"]
+    reach = results["reach"]["arms"]
+    # seed 1 of "none" never reaches 0.9: counted at its last step, 12, and the mean marked censored
+    assert reach["turn_reward=none"]["steps"] == [8, 12, 4] and reach["turn_reward=none"]["reached"] == 2
+    assert reach["turn_reward=none"]["censored"] and not reach["turn_reward=retrieval_gain"]["censored"]
+    assert reach["turn_reward=retrieval_gain"]["steps"] == [4, 8, 4]
+    (steps,) = results["reach"]["pairs"]
+    assert steps["diff"] == pytest.approx((8 + 12 + 4 - 4 - 8 - 4) / 3)
+    text = markdown(results)
+    assert "Dev nDCG@10 of the multihop queries" in text and "| turn_reward=none | 8, 12, 4 | 2 of 3 |" in text
+    with pytest.raises(ValueError, match="no dev query of that type"):
+        report(ablation, 0.0, focus="describe")

@@ -78,3 +78,20 @@ def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_
     # two seeds: Student's t with one degree of freedom, 0.745 +- 12.706 x 0.005
     assert "| warmed up | mean [95% CI] | 0.745 [0.681, 0.809] (n = 2 seeds) |" in out
     assert "RL over the warmed-up policy, sampled: -0.030 [-0.284, 0.224] (n = 2 seeds) nDCG@10" in out
+
+
+def test_the_test_readings_are_read_back_and_reported_with_rls_gain_and_the_baselines(tmp_path, capsys):
+    """Readings already written are loaded, not made again (each is one line of the run's ledger)."""
+    for seed in (0, 1):
+        for stage, policy in (("warmup", [0.2, 0.4, 0.6]), ("rl", [0.5, 0.5, 0.9])):
+            where = tmp_path / f"seed_{seed}" / f"test_{stage}"
+            where.mkdir(parents=True)
+            scores = {"policy": policy, "bm25": [0.3, 0.3, 0.3], "dense": [0.9, 0.9, 0.9], "fusion": [0.5, 0.6, 0.7]}
+            ids = ["scifact/1", "scifact/2", "scifact/3"]
+            body = {"scifact": {k: dict(zip(ids, [v + 0.01 * seed for v in vs])) for k, vs in scores.items()}}
+            (where / "test_scores.json").write_text(json.dumps(body))
+    bench.test_report("configs/real_cpu.py", [0, 1], tmp_path, [])
+    out = capsys.readouterr().out
+    assert "| scifact | 3 | 0.405 [" in out and "(n = 2 seeds x 3 queries) | +0.233 [" in out
+    assert "| scifact | bm25 | 0.300 | +0.333 [" in out and "| separated |" in out
+    assert "| scifact | dense | 0.900 | -0.267 [" in out

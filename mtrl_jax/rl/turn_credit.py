@@ -46,7 +46,6 @@ class TurnCreditConfig:
     std_floor: float = 0.1  # rl.turn_std_floor: the normaliser's floor (as grpo's std_floor)
 
 
-
 @flax.struct.dataclass
 class TurnRewards:
     """A batch's search-turn rewards (``TrajectoryBatch.turns``)."""
@@ -61,9 +60,7 @@ class TurnRewards:
 
 def turn_rewards(turns: Sequence[dict], redundancy: float) -> list[Optional[float]]:
     """Each turn's reward: ``retrieval_gain - redundancy * repeated_docs`` for a search turn, None otherwise."""
-    return [
-        t["retrieval_gain"] - redundancy * t["repeated_docs"] if "retrieval_gain" in t else None for t in turns
-    ]
+    return [t["retrieval_gain"] - redundancy * t["repeated_docs"] if "retrieval_gain" in t else None for t in turns]
 
 
 def token_turns(loss_mask: Sequence[int]) -> list[int]:
