@@ -88,6 +88,9 @@ def get_config():
     c.search.index_type = "flat"
     c.search.top_k = 3
     c.search.max_doc_chars = 60
+    # >1: a search call may give a list of up to this many queries, searched each and fused by reciprocal rank
+    # fusion (the tool schema says so); 1: one query, a string
+    c.search.max_queries = 1
     c.search.cache_dir = ""
     c.search.remote_url = ""  # e.g. http://127.0.0.1:8900 (tools/serve_tools.py)
     c.search.remote_deadline_s = 30.0  # each remote tool call, retries included, ends within this

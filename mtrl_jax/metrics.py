@@ -77,11 +77,13 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
         raise ValueError("no trajectories to summarize")
     scores = np.array([trajectory_score(t) for t in trajectories])
     failures = collections.Counter(t.status for t in trajectories if t.status != "ok")
-    tools, errors = collections.Counter(), collections.Counter()
+    tools, errors, asked = collections.Counter(), collections.Counter(), collections.Counter()
     for t in trajectories:
         for key, value in t.counters.items():
             if key.startswith("tool_calls/"):
                 tools[key.split("/", 1)[1]] += value
+            elif key.startswith("tool_queries/"):
+                asked[key.split("/", 1)[1]] += value
             elif key.startswith("tool_errors/"):
                 errors[key.split("/", 1)[1]] += value
     out = {
@@ -92,6 +94,8 @@ def _summarize(trajectories: Sequence, samples_per_task: int, k: int | None, tau
         "failure_rate_by_reason": {r: c / n for r, c in sorted(failures.items())},
         "mean_turns": float(np.mean([len(t.turns) for t in trajectories])),
         "tool_calls_per_episode": {name: c / n for name, c in sorted(tools.items())},
+        # queries per successful call of each tool (above 1 only where a call gave a list, search.max_queries)
+        "queries_per_call": {name: asked[name] / c for name, c in sorted(tools.items()) if c and name in asked},
         "tool_errors_per_episode": sum(errors.values()) / n,
         "tool_errors": dict(sorted(errors.items())),  # failed tool calls by kind (the model's, the service's), in all
         "repeated_calls_per_episode": sum(t.counters.get("repeated_calls", 0) for t in trajectories) / n,
@@ -160,6 +164,7 @@ def rollout_metrics(trajectories: Sequence) -> dict:
     out.update({f"episodes/failure_rate/{k}": v for k, v in s["failure_rate_by_reason"].items()})
     out.update({f"episodes/tool_errors/{k}": float(v) for k, v in s["tool_errors"].items()})  # the step's, by kind
     out.update({f"tools/calls_per_episode/{k}": v for k, v in s["tool_calls_per_episode"].items()})
+    out.update({f"tools/queries_per_call/{k}": v for k, v in s["queries_per_call"].items()})
     return out
 
 

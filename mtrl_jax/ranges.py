@@ -35,6 +35,7 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "search.tfidf_dim": (1, 65536, True),
     "search.top_k": (1, 20, True),  # the tools' max_top_k
     "search.max_doc_chars": (0, 10**6, True),
+    "search.max_queries": (1, 16, True),
     "search.remote_deadline_s": (0, 86400, False),
     "search.remote_max_failures": (1, 10**6, True),
     "env.max_turns": (1, 10**4, True),

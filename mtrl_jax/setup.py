@@ -102,6 +102,7 @@ def search_settings(config) -> SearchSettings:
         index_type=config.search.index_type,
         top_k=config.search.top_k,
         max_doc_chars=config.search.max_doc_chars,
+        max_queries=config.search.max_queries,
         cache_dir=config.search.cache_dir or None,
         remote_url=config.search.remote_url or None,
         remote_deadline_s=config.search.remote_deadline_s,

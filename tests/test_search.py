@@ -2,6 +2,7 @@
 
 import io
 import json
+import types
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from mtrl_jax.chat import (
     render_tool_call,
     train_tokenizer,
 )
-from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolOutput, run_scripted
+from mtrl_jax.metrics import summarize
+from mtrl_jax.rollout.interfaces import EpisodeDriver, Tool, ToolError, ToolOutput, run_scripted
 from mtrl_jax.search import metrics
 from mtrl_jax.search.bm25 import BM25Index
 from mtrl_jax.search.build import SearchSettings, make_environment, make_tools
@@ -571,3 +573,58 @@ def test_bm25_reproduces_published_ndcg(shared_data, name, minimum):
     collection = col.load_beir(shared_data / name)
     result = evaluate_retrieval(collection, ("bm25",))["bm25"]
     assert result["ndcg@10"] >= minimum, result["ndcg@10"]
+
+
+# ------------------------------------------------------------------ several queries in one call
+
+
+def test_a_list_of_queries_is_searched_each_and_fused(synthetic, chat):
+    one = {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=32))}
+    several = {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=32, max_queries=3))}
+    assert "type" in one["bm25_search"].parameters["properties"]["query"]
+    query = several["bm25_search"].parameters["properties"]["query"]
+    assert query["type"] == ["string", "array"] and "fused" in query["description"]
+    a, b = synthetic.tasks[0].query, synthetic.tasks[40].query
+    for name in ("bm25_search", "vector_search"):
+        tool = several[name]
+        out = tool({"query": [a, b], "top_k": 4})
+        separate = [tool({"query": q, "top_k": 4}).doc_ids for q in (a, b)]
+        assert out.doc_ids == [d for d, _ in reciprocal_rank_fusion(separate)][:4] and out.queries == 2
+        assert out.content.startswith(f"{name} results for [") and tool({"query": a}).queries == 1
+        assert tool({"query": a}).doc_ids == one[name]({"query": a}).doc_ids  # one query: as before
+    for arguments, kind in (
+        ({"query": [a, b, a, b]}, "give 1 to 3 queries, not 4"),
+        ({"query": []}, "give 1 to 3 queries, not 0"),
+        ({"query": [a, " "]}, "the query is empty"),
+        ({"query": [a, 3]}, "must be of type string or array of string"),
+    ):
+        with pytest.raises(ToolError, match=kind):
+            several["bm25_search"](arguments)
+    with pytest.raises(ToolError, match="'query' must be of type string"):
+        one["bm25_search"]({"query": [a]})
+    # through the environment: the call counts its queries, the metrics give queries per call
+    env = make_environment(synthetic, SearchSettings(tfidf_dim=32, max_queries=3))
+    call = json.dumps({"name": "bm25_search", "arguments": {"query": [a, b]}})
+    single = json.dumps({"name": "bm25_search", "arguments": {"query": a}})
+    script = iter([f"<tool_call>{call}</tool_call>", f"<tool_call>{single}</tool_call>", "done"])
+    episode = run_text_episode(env, synthetic.tasks[0], lambda msgs: next(script), chat)
+    assert episode.counters["tool_queries/bm25_search"] == 3 and episode.counters["tool_calls/bm25_search"] == 2
+    record = types.SimpleNamespace(
+        reward=episode.reward, status=episode.status, counters=episode.counters, turns=episode.turns, task_type="s"
+    )
+    summary = summarize([record], by_type=False)
+    assert summary["queries_per_call"] == {"bm25_search": 1.5}
+
+
+def test_a_remote_tool_fuses_a_list_of_queries_too(synthetic):
+    local = {t.name: t for t in make_tools(synthetic, SearchSettings(tfidf_dim=32, max_queries=2))}
+    server = make_server({synthetic.name: local})
+    serve_in_background(server)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        remote = make_tools(synthetic, SearchSettings(tfidf_dim=32, remote_url=url, max_queries=2))[0]
+        queries = [synthetic.tasks[1].query, synthetic.tasks[50].query]
+        assert remote({"query": queries}).doc_ids == local[remote.name]({"query": queries}).doc_ids
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -45,9 +45,31 @@ class ServiceDown(RuntimeError):
 class ToolOutput:
     content: str  # what the model reads
     doc_ids: list[str] = dataclasses.field(default_factory=list)  # ranked results, for fusion and logging
+    queries: int = 1  # the queries the call ran (a search tool's list of queries, fused)
 
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+
+
+def _of_type(value, schema: dict) -> bool:
+    """Whether ``value`` has the JSON ``schema``'s type (one, or a list of them; an array's ``items`` too)."""
+    names = schema.get("type")
+    if names is None:
+        return True
+    for name in [names] if isinstance(names, str) else names:
+        kind = _JSON_TYPES.get(name)
+        if kind is None or (isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)):
+            if name == "array" and "items" in schema:
+                return all(_of_type(v, schema["items"]) for v in value)
+            return True
+    return False
+
+
+def _type_text(schema: dict) -> str:
+    names = schema.get("type")
+    text = names if isinstance(names, str) else " or ".join(names)
+    items = schema.get("items", {}).get("type")
+    return text.replace("array", f"array of {items}") if items else text
 
 
 class Tool(abc.ABC):
@@ -74,9 +96,9 @@ class Tool(abc.ABC):
         for key, value in arguments.items():
             if key not in props:
                 raise ToolError("bad_arguments", f"{self.name}: unknown argument {key!r}; expected {sorted(props)}")
-            kind = _JSON_TYPES.get(props[key].get("type"))
-            if kind and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
-                raise ToolError("bad_arguments", f"{self.name}: argument {key!r} must be of type {props[key]['type']}")
+            if not _of_type(value, props[key]):
+                kind = _type_text(props[key])
+                raise ToolError("bad_arguments", f"{self.name}: argument {key!r} must be of type {kind}")
         return arguments
 
     def __call__(self, arguments: Any) -> ToolOutput:

@@ -32,6 +32,7 @@ class SearchSettings:
     top_k: int = 5
     max_top_k: int = 20
     max_doc_chars: int = 200
+    max_queries: int = 1  # queries one search call may give (a list, fused by RRF); 1: a string only
     cache_dir: Optional[str] = None
     remote_url: Optional[str] = None  # serve the tools from tools/serve_tools.py instead
     remote_timeout_s: float = 10.0  # per socket operation
@@ -114,7 +115,12 @@ def make_tools(collection: Collection, settings: SearchSettings) -> list:
     for name in settings.tools:
         if name not in _KIND:
             raise ValueError(f"search.tools: unknown tool {name!r}; expected {sorted(_KIND)}")
-        common = dict(top_k=settings.top_k, max_top_k=settings.max_top_k, max_doc_chars=settings.max_doc_chars)
+        common = dict(
+            top_k=settings.top_k,
+            max_top_k=settings.max_top_k,
+            max_doc_chars=settings.max_doc_chars,
+            max_queries=settings.max_queries,
+        )
         if settings.remote_url:
             tools.append(
                 RemoteSearchTool(

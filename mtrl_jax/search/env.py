@@ -166,6 +166,7 @@ class SearchEnvironment(Environment):
                 record["doc_ids"] = output.doc_ids
                 episode.search_results.append(output.doc_ids)
                 episode.count(f"tool_calls/{name}")
+                episode.count(f"tool_queries/{name}", output.queries)
                 content = output.content
             except ServiceDown:  # the tool service itself is down: the run stops
                 raise

@@ -11,7 +11,8 @@ RESULT_LINE = re.compile(r"^\[\d+\] (\S+) \| (.*)$")  # a line of render_results
 PUNCTUATION = ".,;:!?'\"()[]|"
 
 
-def render_results(tool: str, query: str, hits: list[dict], max_doc_chars: int) -> str:
+def render_results(tool: str, query, hits: list[dict], max_doc_chars: int) -> str:
+    """A tool reply: its results under a line naming the query (a string, or the list of queries fused)."""
     if not hits:
         return f"{tool} found no documents for {query!r}."
     lines = [f"{tool} results for {query!r}:"]

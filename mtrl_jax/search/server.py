@@ -210,7 +210,8 @@ def _search(tools: dict, body: bytes) -> tuple[int, dict]:
         top_k = request.get("top_k")
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)):
             raise ToolError("bad_arguments", "'top_k' must be an integer")
-        return 200, {"results": tool.hits(query, tool.check(query, top_k))}
+        (query,), top_k = tool.check(query, top_k)  # one query a request: a call's list is fused by the client
+        return 200, {"results": tool.hits(query, top_k)}
     except RecursionError:
         return 400, {"error": "the JSON body is nested too deeply"}
     except ToolError as e:  # about the call's arguments: "kind" tells the client the model's fault from the service's

@@ -16,10 +16,14 @@ from typing import Optional, Sequence
 from mtrl_jax.data.collection import Collection
 from mtrl_jax.rollout.interfaces import ServiceDown, Tool, ToolError, ToolOutput
 from mtrl_jax.search.results import render_results
+from mtrl_jax.search.retrievers import reciprocal_rank_fusion
 
 
 class SearchTool(Tool):
-    """``{name}(query: str, top_k: int = default)`` over a local retriever."""
+    """``{name}(query, top_k: int = default)`` over a local retriever. ``query`` is one string, or with
+    ``max_queries > 1`` also a list of up to that many: each is searched for ``top_k`` results, and the lists are
+    fused by reciprocal rank fusion (k = 60, as the answer fallback fuses searches), the fused top ``top_k``
+    returned."""
 
     def __init__(
         self,
@@ -30,14 +34,24 @@ class SearchTool(Tool):
         top_k: int = 5,
         max_top_k: int = 20,
         max_doc_chars: int = 200,
+        max_queries: int = 1,
     ):
         self.name, self.description = name, description
         self.retriever, self.collection = retriever, collection
         self.top_k, self.max_top_k, self.max_doc_chars = top_k, max_top_k, max_doc_chars
+        self.max_queries = max_queries
+        query = {"type": "string", "description": "the search query"}
+        if max_queries > 1:
+            query = {
+                "type": ["string", "array"],
+                "items": {"type": "string"},
+                "description": f"the search query, or a list of up to {max_queries} queries whose results are "
+                "fused (reciprocal rank fusion)",
+            }
         self.parameters = {
             "type": "object",
             "properties": {
-                "query": {"type": "string", "description": "the search query"},
+                "query": query,
                 "top_k": {"type": "integer", "description": f"number of results (1-{max_top_k}, default {top_k})"},
             },
             "required": ["query"],
@@ -51,17 +65,31 @@ class SearchTool(Tool):
             out.append({"doc_id": doc_id, "score": score, "title": d.title, "text": d.text})
         return out
 
-    def check(self, query: str, top_k: Optional[int]) -> int:
-        if not query.strip():
+    def check(self, query, top_k: Optional[int]) -> tuple[list[str], int]:
+        """``(the queries, top_k)`` of a call, or the model's error."""
+        queries = [query] if isinstance(query, str) else list(query)
+        if not 1 <= len(queries) <= self.max_queries:
+            raise ToolError("bad_arguments", f"{self.name}: give 1 to {self.max_queries} queries, not {len(queries)}")
+        if any(not q.strip() for q in queries):
             raise ToolError("empty_query", f"{self.name}: the query is empty")
         top_k = self.top_k if top_k is None else top_k
         if not 1 <= top_k <= self.max_top_k:
             raise ToolError("bad_arguments", f"{self.name}: top_k must be between 1 and {self.max_top_k}")
-        return top_k
+        return queries, top_k
 
-    def run(self, query: str, top_k: Optional[int] = None) -> ToolOutput:
-        hits = self.hits(query, self.check(query, top_k))
-        return ToolOutput(render_results(self.name, query, hits, self.max_doc_chars), [h["doc_id"] for h in hits])
+    def run(self, query, top_k: Optional[int] = None) -> ToolOutput:
+        queries, top_k = self.check(query, top_k)
+        if len(queries) == 1:
+            hits = self.hits(queries[0], top_k)
+        else:
+            found = [self.hits(q, top_k) for q in queries]
+            by_id = {h["doc_id"]: h for hits in found for h in hits}
+            fused = reciprocal_rank_fusion([[h["doc_id"] for h in hits] for hits in found], depth=top_k)
+            hits = [{**by_id[doc_id], "score": score} for doc_id, score in fused]
+        shown = query if isinstance(query, str) else queries
+        return ToolOutput(
+            render_results(self.name, shown, hits, self.max_doc_chars), [h["doc_id"] for h in hits], len(queries)
+        )
 
 
 class ServiceHealth:
@@ -123,11 +151,12 @@ class RemoteSearchTool(SearchTool):
         max_top_k: int = 20,
         max_doc_chars: int = 200,
         health: Optional[ServiceHealth] = None,
+        max_queries: int = 1,
         **limits,
     ):
         """``limits``: the fields of ``HttpLimits`` (``timeout_s``, ``retries``, ``backoff_s``, ``deadline_s``,
         ``max_reply_bytes``)."""
-        super().__init__(name, description, None, None, top_k, max_top_k, max_doc_chars)
+        super().__init__(name, description, None, None, top_k, max_top_k, max_doc_chars, max_queries)
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s, self.deadline_s, self.max_reply_bytes = dataclasses.astuple(
             HttpLimits(**limits)
