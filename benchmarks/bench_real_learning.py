@@ -77,12 +77,18 @@ def paired(agent, baseline: dict) -> str:
     )
 
 
+HEADER = "| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode; malformed calls |"
+MALFORMED = ("bad_json", "bad_arguments", "unknown_tool", "empty_query")  # a call the model wrote wrong
+
+
 def cell(m: dict) -> str:
     reasons = ", ".join(f"{k} {v:.2f}" for k, v in m["failure_rate_by_reason"].items())
     tools = ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in m["tool_calls_per_episode"].items()) or "none"
+    # tool_errors counts every failed call of the evaluation: per episode, those the model wrote wrong
+    malformed = sum(m.get("tool_errors", {}).get(kind, 0) for kind in MALFORMED) / max(m.get("samples", 1), 1)
     return (
         f"{m['ndcg@10']:.3f} | {m['failure_rate']:.2f}{f' ({reasons})' if reasons else ''} | {m['mean_turns']:.2f} | "
-        f"{tools}; repeated {m['repeated_calls_per_episode']:.2f}"
+        f"{tools}; repeated {m['repeated_calls_per_episode']:.2f}; malformed calls {malformed:.2f}"
     )
 
 
@@ -129,7 +135,7 @@ def report_sampled(found: dict, k: int) -> None:
     names = sorted({name for stages in found.values() for results in stages.values() for name in results})
     for name in names:
         print(f"\n### {name}, sampled: {k} samples a dev query at the rollout temperature\n")
-        print("| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |")
+        print(HEADER)
         print("|---|---|---|---|---|---|")
         for label, stage in (("warmed up", "warmup"), ("after RL", "rl")):
             print_rows(label, [(seed, stages[stage][name]) for seed, stages in found.items()])
@@ -148,7 +154,7 @@ def report(out: pathlib.Path, seeds: list[int], summaries: dict, baselines: dict
     }
     after_paths = {seed: out / f"seed_{seed}" / "trajectories" / "eval_after.jsonl" for seed in seeds}
     after_scores = {seed: task_scores(path) for seed, path in after_paths.items() if path.exists()}
-    header = "| stage | seed | nDCG@10 | failure rate (by reason) | mean turns | tool calls / episode |"
+    header = HEADER
     for name, base in baselines.items():
         print(f"\n### {name} ({base['queries']} dev queries)\n")
         print(f"one search: BM25 {base['bm25']:.3f}, dense {base['dense']:.3f}, fusion {base['fusion']:.3f}\n")

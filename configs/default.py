@@ -195,6 +195,9 @@ def get_config():
     c.warmup.full_every = 8
     c.warmup.two_turn_every = 2
     c.warmup.augment = 3  # extra demonstrations per question, rewritten (identifiers randomised, words swapped)
+    # extra demonstrations per question with one word edited: in double quotes, a backslash in it, or a letter
+    # accented, so that copying a question into a call's JSON is shown escaped (quotes, backslashes) or as is
+    c.warmup.special_copies = 0
     # TOOL:WEIGHT,... the scripted teacher's first tool, whatever the question ("": uniform)
     c.warmup.teacher_tools = ""
     # K:WEIGHT,... the number of results it asks for, whatever the question ("": no top_k argument)
@@ -214,6 +217,9 @@ def get_config():
     # NAME:WEIGHT,... how the teacher answers: "empty" (the environment's answer_fallback ranks the results) or
     # "ids" (the ids the searches showed, in order)
     c.warmup.teacher_answers = "empty:1"
+    # probability that a demonstration's searches give lists of queries (the question and its content words; the
+    # hop's candidates): needs search.max_queries >= 2
+    c.warmup.teacher_multi_query = 0.0
     # rejection sampling: draw this many demonstrations per training task and keep those whose reward (on the
     # training task's own judgments) is at least min_reward (-1: keep all)
     c.warmup.samples_per_task = 1

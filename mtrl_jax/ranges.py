@@ -70,6 +70,8 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "warmup.batch_size": (1, 10**6, True),
     "warmup.learning_rate": (0, 1, False),
     "warmup.augment": (0, 1000, True),
+    "warmup.special_copies": (0, 1000, True),
+    "warmup.teacher_multi_query": (0, 1, True),
     "warmup.teacher_hop": (0, 1, True),
     "warmup.hop_drills": (0, 1000, True),
     "warmup.full_every": (1, BIG, True),

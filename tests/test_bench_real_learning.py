@@ -62,6 +62,8 @@ def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_
             "mean_turns": 3.0,
             "tool_calls_per_episode": {"bm25_search": 1.0},
             "repeated_calls_per_episode": 0.0,
+            "tool_errors": {"bad_json": 1, "service_error": 3},  # the model's own: the malformed JSON only
+            "samples": 2,
         }
 
     scores = {(0, "warmup"): 0.75, (0, "rl"): 0.70, (1, "warmup"): 0.74, (1, "rl"): 0.73}
@@ -74,7 +76,8 @@ def test_the_sampled_evaluations_are_read_back_and_reported_with_rls_change(tmp_
     bench.report_sampled(found, 4)
     out = capsys.readouterr().out
     assert "### scifact, sampled: 4 samples a dev query at the rollout temperature" in out
-    assert "| after RL | 1 | 0.730 | 0.25 (turn_token_limit 0.25) | 3.00 | bm25 1.00; repeated 0.00 |" in out
+    row = "| after RL | 1 | 0.730 | 0.25 (turn_token_limit 0.25) | 3.00 | bm25 1.00; repeated 0.00; "
+    assert row + "malformed calls 0.50 |" in out
     # two seeds: Student's t with one degree of freedom, 0.745 +- 12.706 x 0.005
     assert "| warmed up | mean [95% CI] | 0.745 [0.681, 0.809] (n = 2 seeds) |" in out
     assert "RL over the warmed-up policy, sampled: -0.030 [-0.284, 0.224] (n = 2 seeds) nDCG@10" in out

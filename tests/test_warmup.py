@@ -766,3 +766,51 @@ def test_failed_tool_calls_are_counted_and_said_in_every_phase():
     t.reward, t.status, t.turns, t.counters = 0.0, "ok", [{}], {"tool_errors/service_error": 2, "tool_calls/bm": 2}
     assert "failed tool calls {'service_error': 2}" in headline("after RL", summarize([t]))
     assert rollout_metrics([t])["episodes/tool_errors/service_error"] == 2.0
+
+
+def _call(text: str) -> dict:
+    return json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+
+
+def test_special_copies_write_quotes_backslashes_and_accents_and_the_calls_copy_them_exactly():
+    from mtrl_jax.chat import parse_tool_calls
+    from mtrl_jax.coldstart.teacher import special_question, special_tasks
+
+    rng = np.random.default_rng(0)
+    question = "which pump runs the cooling loop"
+    edited = [special_question(question, rng) for _ in range(300)]
+    assert any('"' in e for e in edited) and any("\\" in e for e in edited)
+    assert any(ch in e for e in edited for ch in "áéíöüñç")
+    for e in edited:
+        changed = [(a, b) for a, b in zip(question.split(" "), e.split(" ")) if a != b]
+        assert len(changed) == 1  # one word edited, the others as they were
+        call = teacher_turns(rng, Teacher(("bm25_search",)))([{"role": "user", "content": e}])
+        ((name, arguments, error_kind, _),) = parse_tool_calls(call)
+        assert error_kind is None and arguments["query"] == e  # escaped in the JSON, read back exactly
+    (copy,) = special_tasks(Task("t1", question, {"d1": 1}, "c"), 1, np.random.default_rng(1))
+    assert copy.task_id == "t1#special0" and copy.qrels == {} and copy.query != question
+
+
+def test_the_teacher_demonstrates_lists_of_queries_when_asked():
+    question = "which pumps does the Acme plant use"
+    shown = "bm25_search results for 'q':\n[1] d1 | Plant A-1 | part KX-4821.\n[2] d2 | Plant B-2 | part QQ-1111."
+    lists = 0
+    for i in range(200):
+        policy = teacher_turns(np.random.default_rng(i), Teacher(TOOLS, hop=1.0, multi_query=0.5, max_queries=2))
+        first = _call(policy([{"role": "user", "content": question}]))["arguments"]["query"]
+        messages = [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "x"},
+            {"role": "tool", "content": shown},
+        ]
+        second = _call(policy(messages))["arguments"]["query"]
+        if policy.queries > 1:
+            lists += 1
+            assert first == [question, "pumps Acme plant use"] and len(second) == 2 and len(set(second)) == 2
+        else:
+            assert first == question and isinstance(second, str)
+    assert 70 < lists < 130
+    # off (the default): the teacher draws as before, and a list is never written
+    plain = teacher_turns(np.random.default_rng(3), Teacher(TOOLS, hop=1.0))
+    first = _call(plain([{"role": "user", "content": question}]))["arguments"]["query"]
+    assert plain.queries == 1 and first == question

@@ -9,7 +9,13 @@ import dataclasses
 import numpy as np
 
 from mtrl_jax import rng as seeds
-from mtrl_jax.coldstart.teacher import TeacherPolicy, augmented_tasks, question_vocabulary, teacher_turns
+from mtrl_jax.coldstart.teacher import (
+    TeacherPolicy,
+    augmented_tasks,
+    question_vocabulary,
+    special_tasks,
+    teacher_turns,
+)
 from mtrl_jax.coldstart.masks import assistant_turns, decision_untrained, last_turn, longest_turn
 from mtrl_jax.rollout.interfaces import EpisodeDriver, run_scripted
 
@@ -111,7 +117,8 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     demos = []
     progress = getattr(components.run, "log_progress", False) and log is not None
     for task in tqdm(components.train_tasks, desc="demonstrations", unit="task", disable=not progress):
-        for variant in [task] + augmented_tasks(task, cfg.augment, rng, vocabulary):
+        variants = augmented_tasks(task, cfg.augment, rng, vocabulary) + special_tasks(task, cfg.special_copies, rng)
+        for variant in [task] + variants:
             # with keep_best, a variant without judgments (an augmented one) has nothing to choose its draws by:
             # it is drawn once, so that each question and each rewrite weighs one demonstration
             judged = bool(variant.qrels)

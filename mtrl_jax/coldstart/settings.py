@@ -25,6 +25,7 @@ class ColdStartSettings:
     learning_rate: float  # peak of its cosine schedule after a ramp of steps / 20 (warmup.learning_rate)
     teacher: Optional[Teacher] = None  # the scripted teacher (None: demonstrations are given)
     augment: int = 0  # rewritten copies of each training question (warmup.augment)
+    special_copies: int = 0  # copies with quotes, a backslash or an accent written in (warmup.special_copies)
     hop_drills: int = 0  # extra forced-hop demonstrations per question, the decision untrained (warmup.hop_drills)
     samples_per_task: int = 1  # demonstrations drawn per training task (warmup.samples_per_task)
     min_reward: Optional[float] = None  # rejection sampling: keep those at least this good (warmup.min_reward)
@@ -69,6 +70,7 @@ def coldstart_settings(config) -> Optional[ColdStartSettings]:
         learning_rate=w.learning_rate,
         teacher=teacher_settings(config, tools),
         augment=w.augment,
+        special_copies=int(w.special_copies),
         hop_drills=int(w.hop_drills),
         samples_per_task=int(w.samples_per_task),
         min_reward=None if w.min_reward <= -1.0 else float(w.min_reward),
@@ -96,6 +98,11 @@ def teacher_settings(config, tools: tuple[str, ...]) -> Teacher:
             f"warmup.teacher_hop_tools='other' needs two tools or more in search.tools, got {config.search.tools!r}"
         )
     answers, answer_probs = parse_choices(w.teacher_answers, ANSWERS, "warmup.teacher_answers")
+    if w.teacher_multi_query > 0 and config.search.max_queries < 2:
+        raise ValueError(
+            f"warmup.teacher_multi_query={w.teacher_multi_query} demonstrates lists of queries: it needs "
+            f"search.max_queries >= 2, got {config.search.max_queries}"
+        )
     hop_tools = parse_tool_weights("" if hop_other else w.teacher_hop_tools, tools, "warmup.teacher_hop_tools")
     return Teacher(
         tools=tools,
@@ -109,6 +116,8 @@ def teacher_settings(config, tools: tuple[str, ...]) -> Teacher:
         hop_query_probs=tuple(hop_query_probs.tolist()),
         answers=answers,
         answer_probs=tuple(answer_probs.tolist()),
+        multi_query=float(w.teacher_multi_query),
+        max_queries=int(config.search.max_queries),
     )
 
 

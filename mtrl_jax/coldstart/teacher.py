@@ -69,6 +69,43 @@ def augmented_tasks(task, copies: int, rng: np.random.Generator, vocabulary: Seq
     ]
 
 
+# what warmup.special_copies writes into a question, one edit a copy: a word in double quotes, a backslash inside
+# a word, a letter given an accent (characters a copied query must escape, or carry outside ASCII, in its JSON)
+ACCENTED = {"a": "á", "e": "é", "i": "í", "o": "ö", "u": "ü", "n": "ñ", "c": "ç"}
+
+
+def special_question(text: str, rng: np.random.Generator) -> str:
+    """``text`` with one word edited by one of three kinds drawn uniformly: wrapped in double quotes, given a
+    backslash after its first character, or one of its letters accented (``ACCENTED``; a word without one of
+    those letters gets "é" appended)."""
+    words = text.split(" ")
+    i = int(rng.integers(len(words)))
+    kind, word = int(rng.integers(3)), words[i]
+    if kind == 0:
+        words[i] = f'"{word}"'
+    elif kind == 1:
+        words[i] = word[:1] + "\\" + word[1:]
+    else:
+        spots = [j for j, ch in enumerate(word) if ch in ACCENTED]
+        if spots:
+            j = spots[int(rng.integers(len(spots)))]
+            words[i] = word[:j] + ACCENTED[word[j]] + word[j + 1 :]
+        else:
+            words[i] = word + "é"
+    return " ".join(words)
+
+
+def special_tasks(task, copies: int, rng: np.random.Generator) -> list:
+    """``copies`` variants of ``task`` edited by ``special_question`` (ids ``<task_id>#special<i>``, no qrels:
+    only copying the question into the call, escaped, matters)."""
+    return [
+        dataclasses.replace(
+            task, task_id=f"{task.task_id}#special{i}", query=special_question(task.query, rng), qrels={}
+        )
+        for i in range(copies)
+    ]
+
+
 # warmup.teacher_hop_queries: what a second search may look for, as (results shown, question) -> the queries to
 # draw from: an identifier or a title the results showed, the question's content words, the question itself
 HOP_QUERY_SOURCES = {
@@ -85,10 +122,21 @@ class TeacherPolicy:
     returns the assistant's next turn."""
 
     def __init__(
-        self, render, first, second, pick: float, hop_query: str = "identifier", answer: str = "empty", fits=None
+        self,
+        render,
+        first,
+        second,
+        pick: float,
+        hop_query: str = "identifier",
+        answer: str = "empty",
+        fits=None,
+        queries: int = 1,
     ):
         self.render, self.first, self.second, self.pick = render, first, second, pick
         self.hop_query, self.answer = hop_query, answer
+        # > 1: each search gives a list of up to this many queries (the question and its content words; the
+        # hop's candidates from the picked one on), where there are two or more
+        self.queries = queries
         # fits(text): whether a turn of this text fits the per-turn token limit (None: no limit); an answer of ids
         # is cut to fit, so that no demonstration shows a turn the sampler would cut short
         self.fits = fits
@@ -99,17 +147,24 @@ class TeacherPolicy:
 
     def without_hop(self) -> "TeacherPolicy":
         """The same episode with no second search (when the hop's results overflow the context)."""
-        return TeacherPolicy(self.render, self.first, None, 0.0, self.hop_query, self.answer, self.fits)
+        return TeacherPolicy(self.render, self.first, None, 0.0, self.hop_query, self.answer, self.fits, self.queries)
+
+    def _query(self, candidates: list[str]):
+        """The first candidate, or with ``queries > 1`` a list of the first ones (distinct) when there are two."""
+        chosen = list(dict.fromkeys(candidates))[: self.queries]
+        return chosen if len(chosen) > 1 else candidates[0]
 
     def __call__(self, messages) -> str:
         if messages[-1]["role"] == "user":
-            return self.render(self.first, messages[-1]["content"])
+            question = messages[-1]["content"]
+            return self.render(self.first, self._query([question] + question_keywords(question)))
         shown = "\n".join(m["content"] for m in messages if m["role"] == "tool")
         if self.second is not None and sum(m["role"] == "assistant" for m in messages) == 1:
             question = next(m["content"] for m in messages if m["role"] == "user")
             queries = HOP_QUERY_SOURCES[self.hop_query](shown, question)
             if queries:
-                return self.render(self.second, queries[int(self.pick * len(queries))])
+                first = int(self.pick * len(queries))
+                return self.render(self.second, self._query(queries[first:] + queries[:first]))
         ids = result_ids(shown)[:10] if self.answer == "ids" else []
         while ids and self.fits is not None and not self.fits(render_answer(ids)):
             ids.pop()
@@ -132,6 +187,8 @@ class Teacher:
     hop_query_probs: Optional[Sequence[float]] = None
     answers: tuple[str, ...] = ("empty",)  # how it answers (warmup.teacher_answers)
     answer_probs: Optional[Sequence[float]] = None
+    multi_query: float = 0.0  # probability that an episode's searches give query lists (warmup.teacher_multi_query)
+    max_queries: int = 1  # how many at most (search.max_queries)
 
 
 def _probs(p) -> Optional[np.ndarray]:
@@ -147,7 +204,9 @@ def teacher_turns(rng: np.random.Generator, teacher: Teacher, hop: Optional[floa
     drawn from ``answers`` ("empty": the environment's fallback ranks the results; "ids": the ids the searches
     showed, in order). The first search's tool is drawn from ``tool_probs``, the second's from ``hop_tool_probs``
     (with ``hop_other``, uniformly among the tools the first search did not use), each search's number of
-    results from ``top_ks``, whatever the question. Every draw is made here, in a fixed order."""
+    results from ``top_ks``, whatever the question. With probability ``multi_query`` the episode's searches give a
+    list of queries where there are two or more to give (``TeacherPolicy.queries``). Every draw is made here, in a
+    fixed order."""
     t, names = teacher, teacher.tools
     hop = t.hop if hop is None else hop
     top_k_probs = _probs(t.top_k_probs)
@@ -169,4 +228,6 @@ def teacher_turns(rng: np.random.Generator, teacher: Teacher, hop: Optional[floa
     second = draw(hop_probs) if hop > 0 and rng.random() < hop else None
     pick = rng.random() if second is not None else 0.0
     hop_query = pick_one(t.hop_queries, t.hop_query_probs) if second is not None else t.hop_queries[0]
-    return TeacherPolicy(render, first, second, pick, hop_query, pick_one(t.answers, t.answer_probs))
+    answer = pick_one(t.answers, t.answer_probs)
+    queries = t.max_queries if t.multi_query > 0 and rng.random() < t.multi_query else 1  # drawn last, when on
+    return TeacherPolicy(render, first, second, pick, hop_query, answer, None, queries)
