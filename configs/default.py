@@ -164,6 +164,10 @@ def get_config():
     # nDCG@10 of the documents seen so far minus turn_redundancy x the fraction of its results seen before;
     # normalised per group (floor turn_std_floor), summed over the search turns at and after each turn
     # (discount turn_gamma), and added, times turn_coef, to the trajectory's advantage of every token of that turn
+    # "one_search": each query's best one-search nDCG@10 (BM25, dense, fusion) subtracted from its rewards in the
+    # update (s3's gain over a fixed retrieval); a per-query constant, so a no-op under every group-relative
+    # estimator but grpo:scale=batch (docs/algorithms.md)
+    c.rl.reward_baseline = "none"
     c.rl.turn_reward = "none"
     c.rl.turn_coef = 1.0
     c.rl.turn_gamma = 1.0

@@ -20,8 +20,8 @@ import optax
 
 from mtrl_jax import distributed, ranges
 from mtrl_jax.coldstart.settings import ColdStartSettings, coldstart_settings
-from mtrl_jax.chat import ChatFormat, tokenizer_seed_texts, train_tokenizer
-from mtrl_jax.chat_template import TemplateChat
+from mtrl_jax.chat import ChatFormat
+from mtrl_jax.chat_build import build_chat, resolve_tool_prompt
 from mtrl_jax.data.build import build_data, csv, load_collections, split_sizes  # noqa: F401 - the entry points' names
 from mtrl_jax.data.collection import Collection, Task
 from mtrl_jax.data.schedule import TaskSchedule
@@ -30,7 +30,7 @@ from mtrl_jax.model.build import build_model, check_kv_cache, check_model_fields
 from mtrl_jax.model.sharding import make_mesh
 from mtrl_jax.model.lora import Policy
 from mtrl_jax.rl.advantages import ESTIMATORS
-from mtrl_jax.rl.batch import bucket
+from mtrl_jax.rl.batch import REWARD_BASELINES, bucket
 from mtrl_jax.rl.losses import LOSSES
 from mtrl_jax.rl.objective import ObjectiveConfig
 from mtrl_jax.rl.registry import parse_options
@@ -43,7 +43,7 @@ from mtrl_jax.rollout.interfaces import Environment, EnvironmentRouter
 from mtrl_jax.rollout.selection import TRUNCATION_MODES, GroupSelector
 from mtrl_jax.search.build import SearchSettings, index_description, make_environment
 from mtrl_jax.search.env import SearchEnvConfig
-from mtrl_jax.search.curriculum import hard_tasks
+from mtrl_jax.search.curriculum import hard_tasks, one_search_scores
 from mtrl_jax.search.tools import check_service
 
 
@@ -89,6 +89,9 @@ class Components:
     run: RunSettings
     warmup: Optional[ColdStartSettings]  # None: no supervised cold start (a real checkpoint, or warmup.steps=0)
     selector: GroupSelector  # which groups of an RL step train
+    # rl.reward_baseline="one_search": each training task's best one-search nDCG@10, subtracted from its rewards
+    # in the update (make_batch's reward_offset); None: rewards as they are
+    reward_baseline: Optional[Mapping[str, float]] = None
 
 
 # ----------------------------------------------------------------------------- data and environment
@@ -123,87 +126,6 @@ def build_environment(config, collections: Mapping[str, Collection]) -> Environm
         repeated_calls=config.env.repeated_calls,
     )
     return EnvironmentRouter({name: make_environment(c, settings, env_cfg) for name, c in collections.items()})
-
-
-def _checkpoint_chat(config) -> Optional[TemplateChat]:
-    """``model.chat_template``: "" renders the hand-written ChatML (``ChatFormat``); "checkpoint"
-    renders with the checkpoint's own jinja template (``TemplateChat``)."""
-    m = config.model
-    if m.chat_template not in ("", "checkpoint"):
-        raise ValueError(
-            f"model.chat_template must be '' (hand-written ChatML) or 'checkpoint', got {m.chat_template!r}"
-        )
-    if m.chat_template != "checkpoint":
-        return None
-    if not m.checkpoint:
-        raise ValueError(
-            "model.chat_template='checkpoint' needs model.checkpoint (a directory with tokenizer_config.json)"
-        )
-    if m.assistant_prefix:
-        raise ValueError(
-            "model.assistant_prefix applies to the hand-written ChatML only; with model.chat_template="
-            "'checkpoint' the template's generation prompt is used"
-        )
-    return TemplateChat.from_checkpoint(m.checkpoint)
-
-
-def resolve_tool_prompt(config) -> str:
-    """``env.tool_prompt``, with "auto" resolved: "template" when the checkpoint's chat template renders
-    the tools, else "schemas" (the tools described in the system message)."""
-    tool_prompt = config.env.tool_prompt
-    chat = _checkpoint_chat(config) if tool_prompt in ("auto", "template") else None
-    if tool_prompt == "auto":
-        return "template" if chat is not None and chat.renders_tools else "schemas"
-    if tool_prompt == "template" and (chat is None or not chat.renders_tools):
-        raise ValueError(
-            "env.tool_prompt='template' needs model.chat_template='checkpoint' with a chat template that renders "
-            "tools" + ("" if chat is None else f" (the one in {config.model.checkpoint} does not)")
-        )
-    return tool_prompt
-
-
-def build_chat(
-    config,
-    workdir: pathlib.Path,
-    collections: Mapping[str, Collection],
-    env: Environment,
-    train_if_missing: bool = True,
-) -> ChatFormat:
-    """The checkpoint's tokenizer (rendered with its own chat template for ``model.chat_template=
-    "checkpoint"``), ``model.tokenizer``, or (the tiny default) ``<workdir>/tokenizer.json``,
-    trained on the corpus and the protocol's strings the first time and reused on resume."""
-    templated = _checkpoint_chat(config)
-    if templated is not None:
-        return templated
-    prefix = config.model.assistant_prefix
-    if config.model.tokenizer:
-        return ChatFormat.from_file(config.model.tokenizer, prefix)
-    if config.model.checkpoint:
-        path = pathlib.Path(config.model.checkpoint) / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: not found; set model.tokenizer")
-        return ChatFormat.from_file(path, prefix)
-    saved = workdir / "tokenizer.json"
-    exists = saved.exists()
-    distributed.barrier("tokenizer-looked")  # every process looked before the primary may write it
-    if exists:  # resume with the very same tokenizer
-        return ChatFormat.from_file(saved, prefix)
-    if not train_if_missing:
-        raise FileNotFoundError(f"{saved}: not found (the tiny model's tokenizer is trained by experiments.run)")
-    if not distributed.is_primary():  # the other processes read the primary's, through the shared work directory
-        distributed.barrier("tokenizer-written")
-        return ChatFormat.from_file(saved, prefix)
-    texts = []
-    for c in collections.values():
-        texts += [f"{d.doc_id} {d.title} {d.text}" for d in c.documents]
-        texts += [t.query for t in c.tasks]
-        _, messages = env.reset(c.tasks[0])
-        texts += [m["content"] for m in messages] * 20
-    tokenizer = train_tokenizer(texts + tokenizer_seed_texts(csv(config.search.tools)), config.model.tiny_vocab)
-    workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(saved))
-    distributed.barrier("tokenizer-written")
-    return ChatFormat(tokenizer, prefix)
 
 
 # ----------------------------------------------------------------------------- model and update
@@ -277,6 +199,8 @@ def run_settings(config, rows_divisor: int) -> RunSettings:
         raise ValueError(
             "rl.filter_max_extra_groups > 0 refills the groups rl.filter_groups drops: set rl.filter_groups=True"
         )
+    if config.rl.reward_baseline not in REWARD_BASELINES:
+        raise ValueError(f"rl.reward_baseline must be one of {REWARD_BASELINES}, got {config.rl.reward_baseline!r}")
     if config.rl.truncation not in TRUNCATION_MODES:
         raise ValueError(f"rl.truncation must be one of {TRUNCATION_MODES}, got {config.rl.truncation!r}")
     rows = config.global_batch_size * config.rollout.group_size
@@ -360,6 +284,9 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
             collections, train_tasks, search_settings(config), config.data.curriculum_max_baseline
         )
         logging.getLogger("mtrl_jax").info("curriculum: training queries kept %s", counts)
+    reward_baseline = None
+    if config.rl.reward_baseline == "one_search":  # s3's gain over a fixed retrieval (docs/algorithms.md)
+        reward_baseline = one_search_scores(collections, train_tasks, search_settings(config))
     schedule = TaskSchedule(train_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
@@ -411,4 +338,5 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
             run.truncation,
             None if update_cfg.turn_credit is None else update_cfg.turn_credit.redundancy,
         ),
+        reward_baseline=reward_baseline,
     )

@@ -116,6 +116,7 @@ class Trainer:
             length=run.batch_length,
             no_gradient=no_gradient,
             turn_credit=turn_credit,
+            reward_offset=self.c.reward_baseline,
         )
         start = time.perf_counter()
         self.state, update_metrics = self.c.updater.update(self.state, batch, self.ref_params, self.base)

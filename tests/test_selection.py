@@ -135,6 +135,7 @@ def _trainer(tmp_path, rewards_of, filter_groups, max_extra, truncation="penalty
         schedule=TaskSchedule(list(tasks), 4),
         updater=_Updater(divisor),
         chat=types.SimpleNamespace(pad_id=0),
+        reward_baseline=None,
     )
     trainer.workdir, trainer.record, trainer.ref_params, trainer.state = (
         tmp_path,

@@ -93,7 +93,7 @@ LAYERS = (
     ("mtrl_jax.rollout", "mtrl_jax.search"),  # episodes: sampler, environment, tools, collection
     ("mtrl_jax.checkpoint", "mtrl_jax.metrics"),  # around the update
     ("mtrl_jax.coldstart",),  # the cold start: teacher, demonstrations, supervised step, its stage
-    ("mtrl_jax.setup",),  # config -> components
+    ("mtrl_jax.setup", "mtrl_jax.chat_build"),  # config -> components
     ("mtrl_jax.evaluate",),  # the evaluation job
     ("mtrl_jax.trainer",),  # the loop
 )

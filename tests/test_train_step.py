@@ -11,7 +11,8 @@ from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.logprobs import sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
 from mtrl_jax.rl.lengths import by_length, length_buckets, switch_on_length
-from mtrl_jax.rl.train_step import UpdateConfig, minibatch_order, score
+from mtrl_jax.rl.logprobs import score
+from mtrl_jax.rl.train_step import UpdateConfig, minibatch_order
 from mtrl_jax.rl.updater import Updater
 
 CFG = ModelConfig(

@@ -4,7 +4,8 @@ Both quantities are of the temperature-scaled distribution ``softmax(logits / te
 the same quantity the sampler records as ``behav_logp`` (docs/architecture.md, "Behaviour log-probs").
 The chunked path scans over chunks of positions (every row's next few tokens) with the per-chunk
 computation under ``jax.checkpoint``: the backward pass recomputes one chunk's logits at a time,
-so peak memory is ``O(chunk * V)`` instead of ``O(B * T * V)``.
+so peak memory is ``O(chunk * V)`` instead of ``O(B * T * V)``. ``score`` gives the update the log-probs of
+several parameter sets (the old policy, the KL reference) in one pass over its micro-batches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from mtrl_jax.model.config import ModelConfig
+from mtrl_jax.model.sharding import constrain_rows
 from mtrl_jax.model.transformer import forward, head_kernel, init_cache, mask_padded_vocab
+from mtrl_jax.rl.lengths import switch_on_length
 
 
 def _logp_entropy(hidden, head, targets, temperature, valid_vocab=None):
@@ -159,3 +162,38 @@ def logprobs_at(
     picked = jnp.take_along_axis(predictors, columns[..., None], axis=1)  # [B, K, D]
     targets = jnp.take_along_axis(tokens, columns, axis=1)
     return token_logprobs(picked, head_kernel(cfg, params), targets, temperature, chunk_size, cfg.valid_vocab)
+
+
+def score(
+    logprobs,
+    param_sets: list,
+    names: list[str],
+    tokens: jax.Array,
+    attention_mask: jax.Array,
+    buckets: tuple[int, ...],
+    groups: jax.Array,
+) -> dict:
+    """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch, group by group
+    (``groups [n, g]``: row indices, every row once), each group computed at its own length
+    (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
+    The update passes its first epoch's micro-batches as the groups, so each group is scored at the
+    length its micro-batch trains at. Positions past a row's length get 0."""
+    B, T = tokens.shape
+    tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
+
+    def group_logprobs(length, tok, att):
+        return tuple(
+            jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
+            for p in param_sets
+        )
+
+    def body(_, rows):
+        tok, att = constrain_rows(tokens[rows]), constrain_rows(attention_mask[rows])
+        return None, switch_on_length(buckets, att, group_logprobs, tok, att)
+
+    _, per_group = jax.lax.scan(body, None, groups)
+    rows = groups.reshape(-1)
+    return {
+        name: jnp.zeros((B, T), jnp.float32).at[rows].set(x.reshape(B, T) * (attention_mask[rows] > 0))
+        for name, x in zip(names, per_group)
+    }

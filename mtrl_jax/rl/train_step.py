@@ -32,7 +32,7 @@ from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.guard import all_finite
 from mtrl_jax.rl.lengths import by_length, length_buckets, switch_on_length
 from mtrl_jax.rl.optimizer import TrainState
-from mtrl_jax.rl.logprobs import sequence_logprobs
+from mtrl_jax.rl.logprobs import score, sequence_logprobs
 from mtrl_jax.rl.objective import ObjectiveConfig, objective
 
 log = logging.getLogger("mtrl_jax")
@@ -107,41 +107,6 @@ def _mean_or_max(name: str, values: jax.Array, weights: Optional[jax.Array] = No
     if name.endswith(("_max", "_max_dev", "_max_abs_dev")):
         return values.max()
     return values.mean() if weights is None else (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
-
-
-def score(
-    logprobs,
-    param_sets: list,
-    names: list[str],
-    tokens: jax.Array,
-    attention_mask: jax.Array,
-    buckets: tuple[int, ...],
-    groups: jax.Array,
-) -> dict:
-    """``{name: log-probs [B, T]}`` of every parameter set in one pass over the batch, group by group
-    (``groups [n, g]``: row indices, every row once), each group computed at its own length
-    (``switch_on_length``) under every parameter set (the old and the reference policy) in turn.
-    The update passes its first epoch's micro-batches as the groups, so each group is scored at the
-    length its micro-batch trains at. Positions past a row's length get 0."""
-    B, T = tokens.shape
-    tokens, attention_mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
-
-    def group_logprobs(length, tok, att):
-        return tuple(
-            jnp.pad(jax.lax.stop_gradient(logprobs(p, tok[:, :length], att[:, :length])[0]), ((0, 0), (0, T - length)))
-            for p in param_sets
-        )
-
-    def body(_, rows):
-        tok, att = constrain_rows(tokens[rows]), constrain_rows(attention_mask[rows])
-        return None, switch_on_length(buckets, att, group_logprobs, tok, att)
-
-    _, per_group = jax.lax.scan(body, None, groups)
-    rows = groups.reshape(-1)
-    return {
-        name: jnp.zeros((B, T), jnp.float32).at[rows].set(x.reshape(B, T) * (attention_mask[rows] > 0))
-        for name, x in zip(names, per_group)
-    }
 
 
 class StepPlan(NamedTuple):
