@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from mtrl_jax.data.collection import Task
-from mtrl_jax.model import ModelConfig, init_params
+from mtrl_jax.model import init_params
 from mtrl_jax.rl import advantages, losses
 from mtrl_jax.rl.batch import TrajectoryBatch, make_batch
 from mtrl_jax.rl.objective import ObjectiveConfig
@@ -21,6 +21,7 @@ from mtrl_jax.rollout.interfaces import Tool, ToolOutput
 from mtrl_jax.rollout.selection import GroupSelector, informative
 from mtrl_jax.rollout.trajectory import Trajectory
 from mtrl_jax.search.env import SearchEnvConfig, SearchEnvironment, search_credit
+from test_train_step import CFG  # the tiny policy of the update's tests
 
 # ----------------------------------------------------------------------------- the reference (numpy, loops)
 
@@ -167,17 +168,6 @@ def test_a_group_of_equal_rewards_trains_when_its_searches_earned_differently():
 
 
 # ----------------------------------------------------------------------------- the update
-
-CFG = ModelConfig(
-    vocab_size=48,
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    tie_word_embeddings=True,
-)
 
 
 def _batch(rewards, turn_reward, T=12, seed=0):
