@@ -228,7 +228,8 @@ def test_report(config: str, seeds: list[int], out: pathlib.Path, overrides: lis
             f"{gain.mean:+.3f} [{gain.low:+.3f}, {gain.high:+.3f}] {stats.verdict(gain)} |"
         )
         for tool in ("bm25", "dense", "fusion"):
-            against.append((name, tool, float(scores("rl", tool)[0].mean()), stats.paired(tuned, scores("rl", tool))))
+            base = scores("rl", tool)
+            against.append((name, tool, float(base[0].mean()), stats.paired(tuned, base)))
     print("\n| collection | one search | its nDCG@10 | after RL - it [95% CI, paired] | verdict |")
     print("|---|---|---|---|---|")
     for name, tool, value, d in against:

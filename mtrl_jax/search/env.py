@@ -89,12 +89,12 @@ def search_credit(seen: set, results: list[list[str]], qrels: dict, k: int = 10)
     the nDCG@k of the best ranking of every document seen (``seen`` before the turn, then its calls' ``results``),
     and ``repeated_docs``, the fraction of the results shown already (before the turn, or by an earlier call of
     it). Recorded in the turn whether or not RL uses it."""
-    now, repeated, shown = set(seen), 0, 0
+    now, repeated, shown, qrels = set(seen), 0, 0, qrels or {}
     for docs in results:
         for d in dict.fromkeys(docs):  # a call's results once each, in order
             repeated, shown = repeated + (d in now), shown + 1
             now.add(d)
-    gain = best_ndcg_at_k(now, qrels or {}, k) - best_ndcg_at_k(seen, qrels or {}, k)
+    gain = best_ndcg_at_k(now, qrels, k) - best_ndcg_at_k(seen, qrels, k)
     return {"retrieval_gain": gain, "repeated_docs": repeated / max(shown, 1)}
 
 
