@@ -77,8 +77,8 @@ def get_config():
     # the first this many of each collection's training tasks are the cold start's and RL's (0: all); a quick
     # trial of the mechanics (the tests' runs), the held-out split unchanged
     c.data.max_train_per_collection = 0
-    # a curriculum of hard queries (0: off): RL and the cold start train on the training queries whose best one
-    # search (BM25, dense or their fusion, the run's search settings) scores an nDCG@10 below this
+    # a curriculum of hard queries (0: off): RL trains on the training queries whose best one search (BM25, dense
+    # or their fusion, the run's search settings) scores an nDCG@10 below this; the cold start on all of them
     c.data.curriculum_max_baseline = 0.0
 
     c.search = config_dict.ConfigDict()

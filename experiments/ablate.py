@@ -65,6 +65,7 @@ RL_ONLY_FIELDS = {
     "rollout.param_dtype",
     "rollout.asynchronous",
     "rollout.max_staleness",
+    "data.curriculum_max_baseline",  # RL's tasks only: the cold start demonstrates every training query
 }
 WARMUP_READS_RL = {"rl.logprob_chunk", "rl.max_nonfinite_steps"}  # under rl., but the cold start's step reads them
 SHARED_FILES = ("warmup", "tokenizer.json")  # what an arm's work directory gets from its seed's cold start

@@ -74,7 +74,7 @@ class RunSettings:
 @dataclasses.dataclass(frozen=True)
 class Components:
     collections: Mapping[str, Collection]
-    train_tasks: tuple
+    train_tasks: tuple  # the cold start's demonstrations are of these
     dev_tasks: tuple
     env: Environment
     chat: ChatFormat
@@ -89,6 +89,8 @@ class Components:
     run: RunSettings
     warmup: Optional[ColdStartSettings]  # None: no supervised cold start (a real checkpoint, or warmup.steps=0)
     selector: GroupSelector  # which groups of an RL step train
+    # RL's training tasks: train_tasks, or with data.curriculum_max_baseline the hard ones among them (None: all)
+    rl_tasks: Optional[tuple] = None
     # rl.reward_baseline="one_search": each training task's best one-search nDCG@10, subtracted from its rewards
     # in the update (make_batch's reward_offset); None: rewards as they are
     reward_baseline: Optional[Mapping[str, float]] = None
@@ -279,15 +281,16 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     update_cfg, collector_cfg, warmup, run = check_config(config)  # cheap checks first: before any data is loaded
     use_compilation_cache(config)
     collections, train_tasks, dev_tasks = build_data(config) if data is None else data
+    rl_tasks = train_tasks  # the cold start demonstrates every training query; RL may take the hard ones only
     if config.data.curriculum_max_baseline > 0:  # the hard training queries only (search/curriculum.py)
-        train_tasks, counts = hard_tasks(
+        rl_tasks, counts = hard_tasks(
             collections, train_tasks, search_settings(config), config.data.curriculum_max_baseline
         )
         logging.getLogger("mtrl_jax").info("curriculum: training queries kept %s", counts)
     reward_baseline = None
     if config.rl.reward_baseline == "one_search":  # s3's gain over a fixed retrieval (docs/algorithms.md)
-        reward_baseline = one_search_scores(collections, train_tasks, search_settings(config))
-    schedule = TaskSchedule(train_tasks, config.global_batch_size)
+        reward_baseline = one_search_scores(collections, rl_tasks, search_settings(config))
+    schedule = TaskSchedule(rl_tasks, config.global_batch_size)
     total = config.max_epochs * schedule.steps_per_epoch
     run = dataclasses.replace(run, total_steps=min(total, config.max_steps) if config.max_steps else total)
     env = build_environment(config, collections)
@@ -317,6 +320,7 @@ def build(config, workdir: pathlib.Path, train_tokenizer_if_missing: bool = True
     return Components(
         collections=collections,
         train_tasks=tuple(train_tasks),
+        rl_tasks=tuple(rl_tasks),
         dev_tasks=tuple(dev_tasks),
         env=env,
         chat=chat,

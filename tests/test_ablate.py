@@ -148,6 +148,7 @@ def test_the_warm_up_key_changes_with_what_the_warm_up_reads_only():
         ("optim.learning_rate", 1e-5),
         ("max_steps", 3),
         ("eval.every_steps", 2),
+        ("data.curriculum_max_baseline", 0.5),  # RL's tasks only
     ):
         config = default.get_config()
         section, _, name = field.rpartition(".")

@@ -31,7 +31,7 @@ def test_the_curriculum_keeps_the_queries_one_search_does_not_solve_in_order():
 
 
 @pytest.mark.slow
-def test_a_run_with_the_curriculum_trains_on_hard_queries_and_evaluates_on_the_same_dev(tmp_path):
+def test_a_run_with_the_curriculum_trains_rl_on_hard_queries_and_evaluates_on_the_same_dev(tmp_path):
     from configs import default
     from mtrl_jax.setup import build
 
@@ -40,10 +40,12 @@ def test_a_run_with_the_curriculum_trains_on_hard_queries_and_evaluates_on_the_s
     config.data.curriculum_max_baseline = 0.5
     hard = build(config, tmp_path / "hard")
     assert hard.dev_tasks == plain.dev_tasks  # dev is never filtered
-    assert set(t.task_id for t in hard.train_tasks) < set(t.task_id for t in plain.train_tasks)
+    assert hard.train_tasks == plain.train_tasks == plain.rl_tasks  # the cold start demonstrates every query
+    assert set(t.task_id for t in hard.rl_tasks) < set(t.task_id for t in plain.train_tasks)
     collection = plain.collections["synthetic"]
     best = best_one_search(collection, plain.train_tasks, SearchSettings(tfidf_dim=config.search.tfidf_dim))
-    assert [t.task_id for t in hard.train_tasks] == [t.task_id for t in plain.train_tasks if best[t.task_id] < 0.5]
+    assert [t.task_id for t in hard.rl_tasks] == [t.task_id for t in plain.train_tasks if best[t.task_id] < 0.5]
+    assert hard.schedule.steps_per_epoch < plain.schedule.steps_per_epoch  # an epoch is RL's tasks
     # the reward baseline of rl.reward_baseline="one_search": the same scores, for every training task
     assert plain.reward_baseline is None
     config.data.curriculum_max_baseline, config.rl.reward_baseline = 0.0, "one_search"
