@@ -1,5 +1,7 @@
 """The jitted update: which trajectories each optimizer step sees, against a step-by-step reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,6 +243,30 @@ def test_warm_compiles_the_update_in_the_background():
     mark = CompileCounter.mark()
     jax.block_until_ready(updater.update(new_state, longer, params))
     assert CompileCounter.since(mark)["compile/programs"] >= 1
+
+
+def test_the_update_with_per_search_credit_is_compiled_ahead_too():
+    """With ``rl.turn_reward`` the batch carries its turns' rewards: the program compiled ahead takes them."""
+    from mtrl_jax.metrics import CompileCounter
+    from mtrl_jax.rl.turn_credit import TurnCreditConfig, empty_turn_rewards
+
+    params = init_params(CFG, jax.random.PRNGKey(1))
+    config = UpdateConfig(micro_batches=2, length_bucket=16, turn_credit=TurnCreditConfig(max_turns=3, coef=0.5))
+    updater = Updater(CFG, config, optax.sgd(0.1))
+    state = updater.init_state(params, jax.random.PRNGKey(0))
+    turns = empty_turn_rewards(8, 10, 3)
+    turns.reward[:, 0], turns.valid[:, 0], turns.token_turn[:, 3:6] = np.linspace(0, 1, 8), 1.0, 0
+    batch = dataclasses.replace(_batch([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7]), turns=turns)
+    updater.compile_ahead(state, 8, 10, 2, with_reference=False).join()
+    mark = CompileCounter.mark()
+    new_state, metrics = updater.update(state, batch)
+    jax.block_until_ready(metrics)
+    assert CompileCounter.since(mark)["compile/programs"] == 0  # the program was ready, and took the turns
+    plain = Updater(updater.model_cfg, updater.config, updater.tx)
+    want, _ = plain.update(plain.init_state(params, jax.random.PRNGKey(0)), batch)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_state.params, want.params
+    )
 
 
 @pytest.mark.slow  # kept out of the quick subset (under 3 minutes); CI runs it

@@ -75,11 +75,17 @@ def token_turns(loss_mask: Sequence[int]) -> list[int]:
     return out
 
 
+def empty_turn_rewards(rows: int, length: int, max_turns: int) -> TurnRewards:
+    """``TurnRewards`` of ``rows`` trajectories without a search turn: ``turn_arrays``' shapes and dtypes."""
+    zeros = np.zeros((rows, max_turns), np.float32)
+    return TurnRewards(zeros, zeros.copy(), np.full((rows, length), -1, np.int32))
+
+
 def turn_arrays(trajectories: Sequence, length: int, cfg: TurnCreditConfig) -> TurnRewards:
     """The ``TurnRewards`` of ``trajectories`` padded to ``[B, cfg.max_turns]`` and ``[B, length]``."""
-    B, K = len(trajectories), cfg.max_turns
-    reward, valid = np.zeros((B, K), np.float32), np.zeros((B, K), np.float32)
-    token_turn = np.full((B, length), -1, np.int32)
+    K = cfg.max_turns
+    empty = empty_turn_rewards(len(trajectories), length, K)
+    reward, valid, token_turn = empty.reward, empty.valid, empty.token_turn
     for i, t in enumerate(trajectories):
         owner = token_turns(t.loss_mask)
         # a turn cut off by the context limit never reached the environment: its tokens have a turn, it no record

@@ -17,6 +17,7 @@ from mtrl_jax.model.sharding import abstract_batch, activate, on_mesh, place_bat
 from mtrl_jax.rl.batch import TrajectoryBatch
 from mtrl_jax.rl.optimizer import TrainState, init_state
 from mtrl_jax.rl.train_step import UpdateConfig, update_step
+from mtrl_jax.rl.turn_credit import empty_turn_rewards
 
 
 class Updater:
@@ -70,6 +71,7 @@ class Updater:
         the first real update finds its program ready. The trainer starts this before the cold start and
         the first evaluation, which leave a core idle. Only compiled, never run: running it would hold
         a second train state and the update's buffers while the evaluation holds its KV cache."""
+        credit = self.config.turn_credit  # per-search credit: the batch carries its turns' rewards (make_batch's)
         empty = TrajectoryBatch(
             np.zeros((rows, length), np.int32),
             np.zeros((rows, length), np.int32),
@@ -77,6 +79,7 @@ class Updater:
             np.zeros((rows, length), np.float32),
             np.zeros((rows,), np.float32),
             group_size=group_size,
+            turns=None if credit is None else empty_turn_rewards(rows, length, credit.max_turns),
         )
         ref = state.params if with_reference else None
         lower = lambda: self.lower(state, abstract_batch(empty, self.mesh), ref, base)  # noqa: E731 - nothing runs
