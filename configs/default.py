@@ -231,6 +231,9 @@ def get_config():
     # best of samples_per_task: of a judged task's draws, keep only the one with the highest reward (ties: the one
     # whose answer has fewest tokens, then the first drawn)
     c.warmup.keep_best = False
+    # with keep_best: keep the best draw of each number of searches a task's draws made (one search, two, ...), not
+    # the best of all, so the cold start still shows the moves that best-of-n drops for RL to weigh
+    c.warmup.keep_best_per_searches = False
     # the output projection at the trained columns only: the same loss to float rounding, less work where tool
     # results are most of a demonstration (real models); off on the default, whose learning depends on rounding
     c.warmup.loss_columns_only = False

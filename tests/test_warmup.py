@@ -610,6 +610,25 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
     assert warmup.last_turn([0, 1, 1, 0, 0, 1, 1, 1, 0]) == 3 and warmup.last_turn([0, 1]) == 1
     assert warmup.last_turn([0, 0]) == 0
 
+    # keep_best_per_searches: the best of each number of searches, fewest first (teacher_hop: some draws search twice)
+    kept, groups = select(keep_best=True, keep_best_per_searches=True)
+    expected = []
+    for runs in groups:
+        runs = [run for run in runs if usable(run)]
+        for n in sorted({warmup.searches(run) for run in runs}):
+            same = [run for run in runs if warmup.searches(run) == n]
+            best = max(run.episode.reward for run in same)
+            shortest = min(warmup.last_turn(run.trajectory.loss_mask) for run in same if run.episode.reward == best)
+            expected.append(
+                next(
+                    run.trajectory.tokens
+                    for run in same
+                    if run.episode.reward == best and warmup.last_turn(run.trajectory.loss_mask) == shortest
+                )
+            )
+    assert kept == expected
+    assert sum(len({warmup.searches(run) for run in runs if usable(run)}) > 1 for runs in groups) >= 5  # not trivial
+
     kept, groups = select(min_reward=0.5)
     expected = [run.trajectory.tokens for runs in groups for run in runs if usable(run) and run.episode.reward >= 0.5]
     assert kept == expected and 0 < len(kept) < sum(map(len, groups))
@@ -644,6 +663,11 @@ def test_warmup_schedule_fields_are_checked():
     config.warmup.full_every, config.warmup.two_turn_every = 8, -1
     with pytest.raises(ValueError, match=r"warmup.two_turn_every=-1 is out of range: .* \(0: never\)"):
         check_config(config)
+    config.warmup.two_turn_every, config.warmup.keep_best_per_searches = 2, True
+    with pytest.raises(ValueError, match="warmup.keep_best_per_searches=True chooses among warmup.keep_best's draws"):
+        check_config(config)
+    config.warmup.keep_best = True
+    assert warmup_settings(config).keep_best_per_searches
 
 
 @pytest.mark.slow

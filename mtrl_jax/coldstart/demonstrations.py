@@ -39,6 +39,23 @@ def demonstration_tokens(driver: EpisodeDriver, task, policy) -> tuple[list[int]
     return run.trajectory.tokens, run.trajectory.loss_mask
 
 
+def searches(run) -> int:
+    """The turns of ``run``'s episode that made a tool call."""
+    return sum(1 for turn in run.episode.turns if turn.get("calls"))
+
+
+def best_draws(runs: list, per_searches: bool = False) -> list:
+    """Best of n (``warmup.keep_best``): the run with the highest reward, of equals the shortest answer, then the
+    first drawn; with ``per_searches`` that run of each number of searches (fewest searches first)."""
+    key = lambda run: (run.episode.reward, -last_turn(run.trajectory.loss_mask))  # noqa: E731
+    if not per_searches:
+        return [max(runs, key=key)]
+    by_searches: dict[int, list] = {}
+    for run in runs:
+        by_searches.setdefault(searches(run), []).append(run)
+    return [max(group, key=key) for _, group in sorted(by_searches.items())]
+
+
 @dataclasses.dataclass
 class DemoCounts:
     """What became of the drawn demonstrations, and the failed tool calls by kind (a flaky server shows here,
@@ -92,10 +109,11 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
     ``min_reward`` set, those of a task with relevance judgments whose reward falls below it are dropped
     (rejection sampling on the training tasks' judgments; no held-out task is ever a demonstration); with
     ``keep_best``, only the highest-reward one of a judged task's draws is kept (best of n; ties: the one
-    whose answer has fewest tokens, then the first drawn; a variant without judgments, such as an augmented
-    one, is then drawn once), so that the teacher's choices lean toward those that pay on each collection,
-    and, for the same reward, toward the empty answer ranked by ``env.answer_fallback`` over ids listed (a
-    small model's greedy id lists run on past the turn's limit). Only the answer is compared: counting every
+    whose answer has fewest tokens, then the first drawn; with ``keep_best_per_searches`` that one of each
+    number of searches; a variant without judgments, such as an augmented one, is then drawn once), so that
+    the teacher's choices lean toward those that pay on each collection, and, for the same reward, toward the
+    empty answer ranked by ``env.answer_fallback`` over ids listed (a small model's greedy id lists run on past
+    the turn's limit). Only the answer is compared: counting every
     token would prefer fewer results asked for. A demonstration that does not end well (its results overflow
     the context), or has a turn longer than ``rollout.max_tokens_per_turn`` (which the sampler would cut), is
     dropped and counted (``DemoCounts``); an answer of ids is cut to the ids that fit that limit (DBpedia's
@@ -127,8 +145,9 @@ def demonstrations(components, log=None) -> list[tuple[list[int], list[int]]]:
             counts.drawn += len(runs)
             kept = [run for run in runs if counts.usable(run, judged)]
             if cfg.keep_best and judged and kept:  # best of n: the highest reward, then the shortest answer
-                counts.not_best += len(kept) - 1
-                kept = [max(kept, key=lambda run: (run.episode.reward, -last_turn(run.trajectory.loss_mask)))]
+                best = best_draws(kept, cfg.keep_best_per_searches)
+                counts.not_best += len(kept) - len(best)
+                kept = best
             demos.extend((run.trajectory.tokens, run.trajectory.loss_mask) for run in kept)
             # hop drills: the hop forced, its decision untrained (none when no hop fits or none is shown)
             for _ in range(cfg.hop_drills):

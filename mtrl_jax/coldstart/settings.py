@@ -30,6 +30,7 @@ class ColdStartSettings:
     samples_per_task: int = 1  # demonstrations drawn per training task (warmup.samples_per_task)
     min_reward: Optional[float] = None  # rejection sampling: keep those at least this good (warmup.min_reward)
     keep_best: bool = False  # only the best of a judged task's draws, of equals the shortest answer (warmup.keep_best)
+    keep_best_per_searches: bool = False  # with keep_best: the best draw of each number of searches (its field)
     share_prefix: bool = True  # the prompt every demonstration opens with computed once a step (warmup.share_prefix)
     full_every: int = 8  # one step in this many trains on whole demonstrations (warmup.full_every)
     two_turn_every: int = 2  # one other step in this many: cut after the second turn (warmup.two_turn_every)
@@ -50,6 +51,10 @@ def coldstart_settings(config) -> Optional[ColdStartSettings]:
     if not w.steps:
         return None
     tools = tuple(csv(config.search.tools))
+    if w.keep_best_per_searches and not w.keep_best:
+        raise ValueError(
+            "warmup.keep_best_per_searches=True chooses among warmup.keep_best's draws: set keep_best=True"
+        )
     if w.batch_size % w.micro_batches:
         raise ValueError(f"warmup.micro_batches={w.micro_batches} must divide warmup.batch_size={w.batch_size}")
     if w.micro_batches > 1 and not w.loss_columns_only:
@@ -75,6 +80,7 @@ def coldstart_settings(config) -> Optional[ColdStartSettings]:
         samples_per_task=int(w.samples_per_task),
         min_reward=None if w.min_reward <= -1.0 else float(w.min_reward),
         keep_best=bool(w.keep_best),
+        keep_best_per_searches=bool(w.keep_best_per_searches),
         share_prefix=bool(w.share_prefix),
         full_every=int(w.full_every),
         two_turn_every=int(w.two_turn_every),
