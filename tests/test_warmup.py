@@ -588,20 +588,17 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
         assert len(drawn) == 4 * len(components.train_tasks)
         return [tokens for tokens, _ in demos], [drawn[i : i + 4] for i in range(0, len(drawn), 4)]
 
+    def best_tokens(runs):  # written out: the highest reward, of equals the shortest answer, then the first drawn
+        best = max(run.episode.reward for run in runs)
+        shortest = min(warmup.last_turn(run.trajectory.loss_mask) for run in runs if run.episode.reward == best)
+        return next(
+            run.trajectory.tokens
+            for run in runs
+            if run.episode.reward == best and warmup.last_turn(run.trajectory.loss_mask) == shortest
+        )
+
     kept, groups = select(keep_best=True)
-    expected = []
-    for runs in groups:
-        runs = [run for run in runs if usable(run)]
-        if runs:
-            best = max(run.episode.reward for run in runs)
-            shortest = min(warmup.last_turn(run.trajectory.loss_mask) for run in runs if run.episode.reward == best)
-            expected.append(
-                next(
-                    run.trajectory.tokens
-                    for run in runs
-                    if run.episode.reward == best and warmup.last_turn(run.trajectory.loss_mask) == shortest
-                )
-            )
+    expected = [best_tokens(usable_runs) for runs in groups if (usable_runs := [r for r in runs if usable(r)])]
     rewards = [[run.episode.reward for run in runs] for runs in groups]
     assert kept == expected and len(kept) == len(groups)
     assert sum(len(set(r)) > 1 for r in rewards) >= 5, rewards  # the draws differ: the choice is not trivial
@@ -616,16 +613,7 @@ def test_rejection_sampling_keeps_the_best_draw_or_those_over_the_threshold(tmp_
     for runs in groups:
         runs = [run for run in runs if usable(run)]
         for n in sorted({warmup.searches(run) for run in runs}):
-            same = [run for run in runs if warmup.searches(run) == n]
-            best = max(run.episode.reward for run in same)
-            shortest = min(warmup.last_turn(run.trajectory.loss_mask) for run in same if run.episode.reward == best)
-            expected.append(
-                next(
-                    run.trajectory.tokens
-                    for run in same
-                    if run.episode.reward == best and warmup.last_turn(run.trajectory.loss_mask) == shortest
-                )
-            )
+            expected.append(best_tokens([run for run in runs if warmup.searches(run) == n]))
     assert kept == expected
     assert sum(len({warmup.searches(run) for run in runs if usable(run)}) > 1 for runs in groups) >= 5  # not trivial
 
