@@ -48,8 +48,9 @@ def transfer_row(name: str, cold: dict, tuned: dict) -> dict:
     ids = sorted(tuned[name]["policy"])
     scores = lambda reading, key: np.array([[reading[name][key][i] for i in ids]])  # noqa: E731 - one run
     policy, warm = scores(tuned, "policy"), scores(cold, "policy")
-    best = max(TOOLS, key=lambda tool: scores(tuned, tool).mean())
-    against = {tool: (float(scores(tuned, tool).mean()), stats.paired(policy, scores(tuned, tool))) for tool in TOOLS}
+    base = {tool: scores(tuned, tool) for tool in TOOLS}
+    best = max(TOOLS, key=lambda tool: base[tool].mean())
+    against = {tool: (float(base[tool].mean()), stats.paired(policy, base[tool])) for tool in TOOLS}
     return {
         "queries": len(ids),
         "cold": stats.interval(warm),
@@ -57,7 +58,7 @@ def transfer_row(name: str, cold: dict, tuned: dict) -> dict:
         "gain": stats.paired(policy, warm),
         "against": against,
         "best": best,
-        "ratio": float(policy.mean() / max(scores(tuned, best).mean(), 1e-9)),
+        "ratio": float(policy.mean() / max(base[best].mean(), 1e-9)),
     }
 
 

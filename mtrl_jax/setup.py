@@ -75,6 +75,7 @@ class RunSettings:
 class Components:
     collections: Mapping[str, Collection]
     train_tasks: tuple  # the cold start's demonstrations are of these
+    rl_tasks: tuple  # RL's: train_tasks, or with data.curriculum_max_baseline the hard ones among them
     dev_tasks: tuple
     env: Environment
     chat: ChatFormat
@@ -89,8 +90,6 @@ class Components:
     run: RunSettings
     warmup: Optional[ColdStartSettings]  # None: no supervised cold start (a real checkpoint, or warmup.steps=0)
     selector: GroupSelector  # which groups of an RL step train
-    # RL's training tasks: train_tasks, or with data.curriculum_max_baseline the hard ones among them (None: all)
-    rl_tasks: Optional[tuple] = None
     # rl.reward_baseline="one_search": each training task's best one-search nDCG@10, subtracted from its rewards
     # in the update (make_batch's reward_offset); None: rewards as they are
     reward_baseline: Optional[Mapping[str, float]] = None

@@ -59,7 +59,7 @@ class Trainer:
         self.rollouts = StepRollouts(
             self.collector,
             c.schedule,
-            c.rl_tasks if c.rl_tasks is not None else c.train_tasks,
+            c.rl_tasks,
             run.seed,
             run.group_size,
             run.filter_max_extra_groups,
